@@ -1,0 +1,69 @@
+"""What one provider's scrape says, as it travels from operator to gateway.
+
+These frozen msgspec structs are produced by signal derivation (gridd.core.signals),
+carried whole inside signals-channel batches (gridd.wire) and read by the gateway's
+learning and selection. New fields always get defaults (schema evolution).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class UnitLoad(msgspec.Struct, frozen=True, array_like=True):
+    """One serving unit (an EPP endpoint, or one vLLM engine) at one instant.
+
+    A field the source does not expose for that unit is None (the EPP exposes a
+    per-endpoint waiting count and in-flight count, but no per-endpoint KV usage).
+    """
+
+    unit: str
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+
+
+class LatencyBlock(msgspec.Struct, frozen=True):
+    """Recent latency over the window; only built when >= min_completed requests completed."""
+
+    window_s: float
+    completed: int
+    ttft_p50_s: float | None = None
+    ttft_p90_s: float | None = None
+    tpot_s: float | None = None
+    error_ratio: float | None = None
+
+
+class LoadSignals(msgspec.Struct, frozen=True):
+    """Pool-level load read from one scrape (one instant). None = not exposed / not fresh.
+
+    ready_endpoints: the EPP's fresh-endpoint count; None when the exposition has no
+        pool ready-endpoint series (e.g. plain vLLM), which leaves readiness unknown.
+    units: per-serving-unit samples; empty when the per-unit series are absent.
+    avg_running / avg_waiting: pool averages (vLLM direct: means over engines).
+    kv_mean / kv_spread: KV-cache usage mean and spread (std dev), 0..1 fractions.
+    flow_queue: what the EPP's flow control holds for the pool (0 when absent).
+    in_flight: the operator's published estimate (spec: Provider In-flight); None when
+        the provider has no fresh endpoint (averages are frozen then).
+    queue_full_units: serving units whose waiting queue is at its limit (for shedding).
+    """
+
+    ready_endpoints: int | None = None
+    units: tuple[UnitLoad, ...] = ()
+    avg_running: float | None = None
+    avg_waiting: float | None = None
+    kv_mean: float | None = None
+    kv_spread: float | None = None
+    flow_queue: float = 0.0
+    in_flight: float | None = None
+    queue_full_units: int = 0
+
+
+class Revision(msgspec.Struct, frozen=True, array_like=True):
+    """Revision metadata of one qualified provider batch (spec: Provider revisions)."""
+
+    provider_uid: str
+    generation: int
+    publisher_epoch: int
+    batch_sequence: int
+    batch_samples: int
