@@ -1,0 +1,227 @@
+"""Entry points: ``gridd`` (run, check-config, sim, certs) and ``gridctl`` (status, reload)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+from gridd import __version__
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _gridd_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gridd", description="Load-aware, cross-site router for LLM inference fleets."
+    )
+    parser.add_argument("--version", action="version", version=f"gridd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="run the daemon (operator or gateway, from the config's role)")
+    run.add_argument("--config", help="config file (default: $GRIDD_CONFIG)")
+    check = sub.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
+    check.add_argument("file", nargs="?", help="config file (default: $GRIDD_CONFIG)")
+    sub.add_parser("sim", help="run a simulated EPP/vLLM backend (gridd sim --help)", add_help=False)
+    sub.add_parser("certs", help="make a grid CA and issue certificates (gridd certs --help)", add_help=False)
+    sub.add_parser("demo", help="run a local demo grid with simulated backends (gridd demo --help)",
+                   add_help=False)
+    return parser
+
+
+def _config_path(arg: str | None) -> str | None:
+    return arg or os.environ.get("GRIDD_CONFIG") or None
+
+
+def gridd_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands with parsers of their own get the rest of the line untouched.
+    if argv and argv[0] == "sim":
+        from gridd.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    if argv and argv[0] == "certs":
+        from gridd.certs import main as certs_main
+
+        return certs_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from gridd.demo import main as demo_main
+
+        return demo_main(argv[1:])
+    parser = _gridd_parser()
+    args = parser.parse_args(argv)
+    if args.command == "check-config":
+        return _check_config(_config_path(args.file))
+    if args.command == "run":
+        return _run(_config_path(args.config))
+    parser.print_help()
+    return EXIT_USAGE
+
+
+def _check_config(path: str | None) -> int:
+    from gridd.config import load_config
+    from gridd.errors import ConfigError
+
+    if path is None:
+        print("gridd check-config: no config file given (argument or $GRIDD_CONFIG)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        loaded = load_config(path)
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    cfg = loaded.config
+    print(f"{path}: ok ({cfg.role} for site {cfg.site}, {len(cfg.providers)} providers, {len(cfg.peers)} peers)")
+    return EXIT_OK
+
+
+def _run(path: str | None) -> int:
+    import trio
+
+    from gridd.config import load_config
+    from gridd.daemon import Daemon
+    from gridd.errors import GriddError
+    from gridd.log import setup_logging
+
+    setup_logging()
+    import logging
+
+    log = logging.getLogger("gridd")
+    if path is None:
+        log.error("no config file given (--config or $GRIDD_CONFIG)")
+        return EXIT_USAGE
+    try:
+        loaded = load_config(path)
+    except GriddError as exc:
+        log.error("cannot start: %s", exc)
+        return EXIT_USAGE
+    setup_logging(loaded.config.log_level)
+    try:
+        daemon = Daemon(loaded)
+        trio.run(daemon.run)
+    except GriddError as exc:
+        log.error("cannot run: %s", exc)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+# -- gridctl ------------------------------------------------------------------------------------
+
+
+def _gridctl_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gridctl", description="Inspect and steer a running gridd.")
+    parser.add_argument("--socket", help="control socket (default: from --config, $GRIDD_SOCKET, "
+                                         "else $RUNTIME_DIRECTORY/gridd.sock or /run/gridd/gridd.sock)")
+    parser.add_argument("--config", help="read the control socket path from this config file")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    status = sub.add_parser("status", help="show role, uptime, config, reloads, tasks, providers")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    reload = sub.add_parser("reload", help="reload the config file (staged: a bad file changes nothing)")
+    reload.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _socket_path(args: argparse.Namespace) -> pathlib.Path:
+    from gridd.config import default_control_socket, load_config
+
+    if args.socket:
+        return pathlib.Path(args.socket)
+    if os.environ.get("GRIDD_SOCKET"):
+        return pathlib.Path(os.environ["GRIDD_SOCKET"])
+    config = args.config or os.environ.get("GRIDD_CONFIG")
+    if config:
+        loaded = load_config(config)
+        return default_control_socket(loaded.config, loaded.workspace, dict(os.environ))
+    return default_control_socket(None, None, dict(os.environ))
+
+
+def gridctl_main(argv: list[str] | None = None) -> int:
+    from gridd.control import request
+    from gridd.errors import GriddError
+
+    parser = _gridctl_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        path = _socket_path(args)
+        reply = request(path, args.command)
+    except GriddError as exc:
+        print(f"gridctl: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True, default=str))
+    elif args.command == "status" and reply.get("ok"):
+        print(format_status(reply["status"]))
+    elif args.command == "reload":
+        outcome = reply.get("reload", {})
+        if outcome.get("result") == "ok":
+            print("reload: ok")
+        else:
+            print(f"reload: rejected, old config kept: {outcome.get('error') or reply.get('error')}")
+    else:
+        print(f"gridctl: {reply.get('error', 'failed')}", file=sys.stderr)
+    return EXIT_OK if reply.get("ok") else EXIT_FAIL
+
+
+def _age(ts: float | None) -> str:
+    if ts is None:
+        return "never"
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))} ({time.time() - ts:.0f}s ago)"
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def format_status(s: dict[str, Any]) -> str:
+    lines = [
+        f"role        {s['role']}",
+        f"site        {s['site']}",
+        f"state       {s['state']}  (pid {s['pid']}, up {s['uptime_s']:.0f}s, gridd {s['version']})",
+        f"config      {s['config_file']}",
+        f"loaded      {_age(s['config_loaded_at'])}",
+    ]
+    lr = s["last_reload"]
+    reload_line = f"last reload {lr['result']}"
+    if lr.get("at"):
+        reload_line += f" via {lr['source']} at {_age(lr['at'])}"
+    if lr.get("error"):
+        reload_line += f": {lr['error']}"
+    lines.append(reload_line)
+    if s.get("metrics"):
+        lines.append(f"metrics     {', '.join(s['metrics'])}")
+    lines.append(f"tasks       {', '.join(s['tasks'])}")
+    role = s.get("role_status") or {}
+    providers = role.get("providers")
+    if isinstance(providers, list) and providers and isinstance(providers[0], dict):
+        lines.append("")
+        header = ["PROVIDER", "READY", "REASON", "ENDPOINTS", "IN-FLIGHT", "KV", "TTFT p50/p90", "ERR",
+                  "SCRAPED", "FAILURE"]
+        rows = [header]
+        for p in providers:
+            latency = p.get("latency") or {}
+            ttft = "-"
+            if latency.get("ttft_p50_s") is not None:
+                ttft = f"{latency['ttft_p50_s']:.3f}/{_fmt(latency.get('ttft_p90_s'), '.3f')}"
+            kv = "-" if p.get("kv_mean") is None else f"{p['kv_mean']:.2f}±{_fmt(p.get('kv_spread'), '.2f')}"
+            ready = {True: "yes", False: "NO", None: "unknown"}[p.get("ready")]
+            age = "-" if p.get("scrape_age_s") is None else f"{p['scrape_age_s']:.1f}s ago"
+            rows.append([p["name"], ready, p.get("reason", "-"), _fmt(p.get("ready_endpoints")),
+                         _fmt(p.get("in_flight"), ".1f"), kv, ttft, _fmt(latency.get("error_ratio"), ".3f"),
+                         age, _fmt(p.get("failure_class"))])
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+        lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    elif role:
+        for key, value in role.items():
+            lines.append(f"{key:<11} {value}")
+    return "\n".join(lines)

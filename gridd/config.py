@@ -1,0 +1,457 @@
+"""gridd's configuration: one YAML file decoded into frozen msgspec Structs.
+
+Loading is pure apart from reading the file and the environment: ``load_config`` returns a
+``LoadedConfig`` or raises ``ConfigError`` whose message names the exact path of the bad
+value and what was expected, e.g. ``providers[2].probes[0].interval: expected a number > 0,
+got -1``. ``${VAR}`` placeholders resolve from the environment at load time; the raw tree
+(placeholders as written) is kept so the providers API can rewrite the file faithfully.
+Defaults follow DESIGN.md section 5; every knob is documented in docs/config.md.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+import msgspec.inspect
+import yaml
+
+from gridd.errors import ConfigError
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+# Sites, providers and replicas appear in SAN URIs and metric labels: keep them tame.
+Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")]
+ProbeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+HostPort = Annotated[str, msgspec.Meta(pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$")]
+Url = Annotated[str, msgspec.Meta(pattern=r"^(https?|wss?)://\S+$")]
+
+
+class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+# -- probes (spec 004) -------------------------------------------------------------------
+
+
+class ExtractRule(Base):
+    """Exactly one of ``regex`` (last group = value, the group before = name) or ``json``."""
+
+    regex: str | None = None
+    json: str | None = None
+
+
+AggregateMethod = Literal[
+    "latest", "mean", "median", "p50", "p90", "p95", "p99", "ewma", "min", "max", "stdev"
+]
+
+
+class AggregateConfig(Base):
+    window: PositiveInt = 20
+    method: AggregateMethod = "mean"
+
+
+class PublishSink(Base):
+    to: Literal["metadata", "file"]
+    prefix: str = "attributes.probe"
+    path: str | None = None
+    max_entries: NonNegativeInt = 10000
+
+
+class ProbeConfig(Base):
+    name: ProbeName
+    extract: list[ExtractRule]
+    enabled: bool = True
+    endpoint: Url | None = None
+    interval: Positive = 10.0
+    timeout: Positive = 5.0
+    method: Literal["GET", "POST", "HEAD"] = "GET"
+    aggregate: AggregateConfig = AggregateConfig()
+    publish: list[PublishSink] = msgspec.field(default_factory=lambda: [PublishSink(to="metadata")])
+    max_series: PositiveInt = 200
+
+
+# -- providers ----------------------------------------------------------------------------
+
+
+class AuthConfig(Base):
+    scheme: Literal["none", "bearer", "header"] = "none"
+    api_key: str | None = None
+    header_name: str = "authorization"
+    custom_headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ProviderSettings(Base):
+    endpoint: Url
+    """The OpenAI-compatible base (``.../v1``) requests are forwarded to."""
+    timeout: Positive = 300.0
+    auth: AuthConfig = AuthConfig()
+    probes: list[ProbeConfig] = msgspec.field(default_factory=list)
+
+
+class MetricsSource(Base):
+    """Where the operator scrapes the provider's load signals (an EPP or a vLLM /metrics)."""
+
+    url: Url
+    kind: Literal["auto", "epp", "vllm"] = "auto"
+    pool: str | None = None
+    """The InferencePool ``name`` label to read; may be omitted when the EPP serves one pool."""
+    timeout_s: Positive = 2.0
+    queue_full_at: Positive | None = None
+    """A serving unit whose waiting count reaches this is queue-full (shedding's test)."""
+
+
+class ProviderMetadata(Base):
+    labels: list[str] = msgspec.field(default_factory=list)
+    cost: float = 0.0
+
+
+class ProviderConfig(Base):
+    name: Name
+    model: str
+    settings: ProviderSettings
+    metrics: MetricsSource | None = None
+    type: str = "hosted_vllm"
+    enabled: bool = True
+    unavailable: bool = False
+    """Administrative state: an Unavailable provider is reported not ready."""
+    metadata: ProviderMetadata = ProviderMetadata()
+
+
+# -- peers, TLS, listeners ------------------------------------------------------------------
+
+
+class PeerConfig(Base):
+    site: Name
+    url: Url
+    """The peer operator's signals endpoint, ``wss://host:port/signals``."""
+    ingress: Url | None = None
+    """The peer site's gateways, where requests picked for that site are forwarded."""
+
+
+class TLSConfig(Base):
+    ca: str
+    cert: str
+    key: str
+
+
+class ListenConfig(Base):
+    metrics: HostPort | None = None
+    signals: HostPort | None = None
+    http: HostPort | None = None
+
+
+class OperatorLink(Base):
+    url: Url
+
+
+# -- routing knobs (docs/routing.md) ----------------------------------------------------------
+
+
+class TimingConfig(Base):
+    scrape_interval_s: Positive = 1.0
+    scrape_concurrency: PositiveInt = 16
+    body_cap_bytes: PositiveInt = 1024 * 1024
+    gateway_poll_interval_s: Positive = 1.0
+    peer_poll_interval_s: Positive = 5.0
+    peer_poll_budget_s: Positive = 10.0
+    signal_ttl_s: Positive = 20.0
+    stale_metrics_s: Positive | None = None
+    """staleMetricsSeconds; unset means half the signal TTL."""
+    latency_window_s: Positive = 30.0
+    latency_min_completed: PositiveInt = 20
+    engine_answer_window_s: Positive = 30.0
+    future_epoch_bound_s: Positive = 600.0
+
+    @property
+    def effective_stale_metrics_s(self) -> float:
+        return self.stale_metrics_s if self.stale_metrics_s is not None else self.signal_ttl_s / 2
+
+
+class SheddingConfig(Base):
+    enabled: bool = False
+    full_after_ms: PositiveInt = 2000
+    room_after_ms: PositiveInt = 5000
+
+
+class AvailabilityConfig(Base):
+    shedding: SheddingConfig = SheddingConfig()
+
+
+class RoutingConfig(Base):
+    capacity_floor: Positive = 1.0
+    rho_smoothing: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    recent_window_s: Positive = 30.0
+
+
+class SortKey(Base):
+    provider_attribute: str
+    descending: bool = False
+
+
+class StrategyConfig(Base):
+    name: str
+    provider_selector: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    sort: list[SortKey] = msgspec.field(default_factory=list)
+
+
+class Config(Base):
+    role: Literal["operator", "gateway"]
+    site: Name
+    trust_domain: str = "grid.local"
+    replica: Name | None = None
+    """A gateway's replica name (its SAN URI names it)."""
+    tls: TLSConfig | None = None
+    listen: ListenConfig = ListenConfig()
+    control_socket: str | None = None
+    state_dir: str = "var/state"
+    drain_grace_s: Positive = 10.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    ingress: Url | None = None
+    """This site's gateways, as advertised to peers for cross-site forwarding."""
+    providers: list[ProviderConfig] = msgspec.field(default_factory=list)
+    peers: list[PeerConfig] = msgspec.field(default_factory=list)
+    operator: OperatorLink | None = None
+    timings: TimingConfig = TimingConfig()
+    routing: RoutingConfig = RoutingConfig()
+    availability: AvailabilityConfig = AvailabilityConfig()
+    strategies: list[StrategyConfig] = msgspec.field(default_factory=list)
+
+
+class LoadedConfig(msgspec.Struct, frozen=True, kw_only=True):
+    config: Config
+    raw: dict[str, Any]
+    """The YAML tree as written, ``${VAR}`` placeholders unresolved."""
+    path: pathlib.Path
+    workspace: pathlib.Path
+    loaded_at: float
+    """Wall-clock time of the load."""
+
+    def resolve(self, path: str) -> pathlib.Path:
+        """A config-relative path resolves against the workspace, not the process CWD."""
+        p = pathlib.Path(os.path.expanduser(path))
+        return p if p.is_absolute() else self.workspace / p
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+"""``${VAR}`` (required) or ``${VAR:-default}`` (default when VAR is unset)."""
+
+
+def _fmt_path(parts: list[str | int]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "(top level)"
+
+
+def _substitute(node: Any, env: dict[str, str], parts: list[str | int]) -> Any:
+    if isinstance(node, str):
+
+        def repl(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name not in env:
+                if default is not None:
+                    return default
+                raise ConfigError(
+                    f"{_fmt_path(parts)}: environment variable {name} is not set (used as ${{{name}}})"
+                )
+            return env[name]
+
+        return _PLACEHOLDER.sub(repl, node)
+    if isinstance(node, dict):
+        return {k: _substitute(v, env, [*parts, str(k)]) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute(v, env, [*parts, i]) for i, v in enumerate(node)]
+    return node
+
+
+_AT = re.compile(r"^(?P<what>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
+_PATH_PART = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\[\"?([^\]\"]*)\"?\]")
+
+
+def _split_msgspec_path(path: str) -> list[str | int]:
+    parts: list[str | int] = []
+    for m in _PATH_PART.finditer(path):
+        if m.group(1) is not None:
+            parts.append(m.group(1))
+        elif m.group(2) is not None:
+            parts.append(int(m.group(2)))
+        else:
+            parts.append(m.group(3))
+    return parts
+
+
+def _lookup(tree: Any, parts: list[str | int]) -> tuple[bool, Any]:
+    node = tree
+    for part in parts:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, node
+
+
+def _friendly(what: str) -> str:
+    """msgspec's ``Expected `float` > 0`` -> ``expected a number > 0``."""
+    what = what.replace("`float`", "a number").replace("`int`", "an integer")
+    what = what.replace("`str`", "a string").replace("`bool`", "true or false")
+    what = what.replace("`object`", "a mapping").replace("`array`", "a list").replace("`null`", "null")
+    what = what.replace("`", "'")
+    what = re.sub(r"\b(\d+)\.0\b", r"\1", what)
+    return what[:1].lower() + what[1:]
+
+
+def _allowed_values(parts: list[str | int]) -> list[Any]:
+    """The Literal choices at a path of Config, for a readable 'expected one of' message."""
+    info: Any = msgspec.inspect.type_info(Config)
+    for part in [*parts, None]:
+        while True:
+            if isinstance(info, msgspec.inspect.Metadata):
+                info = info.type
+            elif isinstance(info, msgspec.inspect.UnionType):
+                info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+            else:
+                break
+        if part is None:
+            break
+        if isinstance(info, msgspec.inspect.StructType):
+            info = next(f.type for f in info.fields if f.name == part)
+        elif isinstance(info, msgspec.inspect.ListType | msgspec.inspect.DictType):
+            info = info.item_type if isinstance(info, msgspec.inspect.ListType) else info.value_type
+    return list(getattr(info, "values", ()))
+
+
+def _explain(err: msgspec.ValidationError, tree: Any) -> str:
+    text = str(err)
+    m = _AT.match(text)
+    parts = _split_msgspec_path(m.group("path")) if m else []
+    what = m.group("what") if m else text
+    if what.startswith("Object contains unknown field"):
+        field = what.split("`")[1]
+        return f"{_fmt_path([*parts, field])}: unknown field (check spelling; see docs/config.md)"
+    if what.startswith("Object missing required field"):
+        field = what.split("`")[1]
+        return f"{_fmt_path([*parts, field])}: required field is missing"
+    found, value = _lookup(tree, parts)
+    if what.startswith("Invalid enum value"):
+        allowed = _allowed_values(parts)
+        return f"{_fmt_path(parts)}: expected one of {', '.join(map(repr, allowed))}, got {value!r}"
+    got = ""
+    if found and ", got " not in what:
+        got = f", got {value!r}" if not isinstance(value, dict | list) else f", got a {type(value).__name__}"
+    return f"{_fmt_path(parts)}: {_friendly(what)}{got}"
+
+
+def _check_semantics(cfg: Config) -> None:
+    """Rules that span fields; each message names the path like the decoder's."""
+
+    def fail(path: str, what: str) -> None:
+        raise ConfigError(f"{path}: {what}")
+
+    if cfg.role == "gateway":
+        if cfg.operator is None:
+            fail("operator", "a gateway needs its operator's signals URL (operator.url)")
+        if cfg.providers:
+            fail("providers", "providers are configured on the operator, not on a gateway")
+        if cfg.peers:
+            fail("peers", "peers are configured on the operator, not on a gateway")
+    if cfg.role == "operator" and cfg.operator is not None:
+        fail("operator", "only a gateway names an operator")
+    seen: set[str] = set()
+    for i, p in enumerate(cfg.providers):
+        if p.name in seen:
+            fail(f"providers[{i}].name", f"duplicate provider name {p.name!r}")
+        seen.add(p.name)
+        probe_names: set[str] = set()
+        for j, probe in enumerate(p.settings.probes):
+            where = f"providers[{i}].settings.probes[{j}]"
+            if probe.name in probe_names:
+                fail(f"{where}.name", f"duplicate probe name {probe.name!r} in this provider")
+            probe_names.add(probe.name)
+            if not probe.extract:
+                fail(f"{where}.extract", "expected at least one extract rule")
+            for k, rule in enumerate(probe.extract):
+                rwhere = f"{where}.extract[{k}]"
+                if (rule.regex is None) == (rule.json is None):
+                    fail(rwhere, "expected exactly one of 'regex' or 'json'")
+                if rule.regex is not None:
+                    try:
+                        compiled = re.compile(rule.regex)
+                    except re.error as exc:
+                        fail(f"{rwhere}.regex", f"invalid regular expression: {exc}")
+                    if compiled.groups < 2:
+                        fail(f"{rwhere}.regex", "expected two capture groups (name, then value)")
+            for k, sink in enumerate(probe.publish):
+                if sink.to == "file" and not sink.path:
+                    fail(f"{where}.publish[{k}].path", "a file sink needs a path")
+    peer_sites: set[str] = set()
+    for i, peer in enumerate(cfg.peers):
+        if peer.site == cfg.site:
+            fail(f"peers[{i}].site", f"a peer cannot be this operator's own site {cfg.site!r}")
+        if peer.site in peer_sites:
+            fail(f"peers[{i}].site", f"duplicate peer site {peer.site!r}")
+        peer_sites.add(peer.site)
+    t = cfg.timings
+    if t.peer_poll_budget_s < t.peer_poll_interval_s:
+        fail("timings.peer_poll_budget_s", "expected a budget at least as long as peer_poll_interval_s")
+
+
+def parse_config(text: str, *, env: dict[str, str] | None = None, source: str = "<config>") -> tuple[Config, dict]:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"(top level): expected a mapping, got a {type(raw).__name__}")
+    resolved = _substitute(raw, dict(os.environ) if env is None else env, [])
+    try:
+        cfg = msgspec.convert(resolved, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, resolved)) from None
+    _check_semantics(cfg)
+    return cfg, raw
+
+
+def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> LoadedConfig:
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: config is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    environ = dict(os.environ) if env is None else env
+    try:
+        cfg, raw = parse_config(text, env=environ, source=str(p))
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(f"{p}:") else f"{p}: {message}") from None
+    workspace = pathlib.Path(environ["GRIDD_WORKSPACE"]) if environ.get("GRIDD_WORKSPACE") else p.resolve().parent
+    return LoadedConfig(config=cfg, raw=raw, path=p.resolve(), workspace=workspace, loaded_at=time.time())
+
+
+def default_control_socket(cfg: Config | None, workspace: pathlib.Path | None, env: dict[str, str]) -> pathlib.Path:
+    """The control socket: config, else $RUNTIME_DIRECTORY (systemd), else /run/gridd."""
+    if cfg is not None and cfg.control_socket:
+        p = pathlib.Path(cfg.control_socket)
+        return p if p.is_absolute() or workspace is None else workspace / p
+    runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return pathlib.Path(runtime or "/run/gridd") / "gridd.sock"
+
+
+def diff(old: Config, new: Config) -> set[str]:
+    """Top-level sections that changed, so a reload restarts only what it must."""
+    return {f for f in old.__struct_fields__ if getattr(old, f) != getattr(new, f)}

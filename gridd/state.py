@@ -1,0 +1,121 @@
+"""The operator's durable state directory: publisher-epoch high-water mark, provider revisions.
+
+Every write is durable before it is relied on: write a temporary file, fsync it, rename it
+over the old one, fsync the directory. Blocking file IO: call from a worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import secrets
+from typing import Any
+
+import msgspec
+
+from gridd.config import ProviderConfig
+from gridd.errors import StateError
+
+EPOCH_FILE = "publisher_epoch"
+PROVIDERS_FILE = "providers.json"
+
+
+def write_durably(path: pathlib.Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise StateError(f"{path}: cannot write state durably: {exc.strerror or exc}") from None
+
+
+class ProviderRevision(msgspec.Struct, frozen=True):
+    uid: str
+    generation: int
+    spec_digest: str
+
+
+def provider_spec_digest(provider: ProviderConfig) -> str:
+    """Digest of the provider's spec. ``unavailable`` is administrative status and ``enabled``
+    only pauses scraping, so neither advances the generation (status-only changes keep it)."""
+    spec = msgspec.structs.replace(provider, unavailable=False, enabled=True)
+    return hashlib.sha256(msgspec.json.encode(spec)).hexdigest()[:32]
+
+
+class StateDir:
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o750)
+        except OSError as exc:
+            raise StateError(f"{path}: cannot create state directory: {exc.strerror or exc}") from None
+
+    # -- publisher epoch ----------------------------------------------------------------
+
+    def read_epoch_high_water(self) -> int:
+        p = self.path / EPOCH_FILE
+        try:
+            text = p.read_text().strip()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise StateError(f"{p}: cannot read epoch high-water mark: {exc.strerror or exc}") from None
+        try:
+            return int(text)
+        except ValueError:
+            raise StateError(f"{p}: epoch high-water mark is not an integer: {text[:40]!r}") from None
+
+    def claim_publisher_epoch(self, wall_now: float) -> int:
+        """DESIGN 5: the epoch is a wall-clock second count taken at operator start, forced
+        above the persisted high-water mark, written durably before the first publication,
+        so a restart never reuses or lowers it (even if the wall clock stepped back)."""
+        epoch = max(int(wall_now), self.read_epoch_high_water() + 1)
+        write_durably(self.path / EPOCH_FILE, f"{epoch}\n".encode())
+        return epoch
+
+    # -- provider uid and generation -------------------------------------------------------
+
+    def _read_revisions(self) -> dict[str, ProviderRevision]:
+        p = self.path / PROVIDERS_FILE
+        try:
+            return msgspec.json.decode(p.read_bytes(), type=dict[str, ProviderRevision])
+        except FileNotFoundError:
+            return {}
+        except (OSError, msgspec.DecodeError) as exc:
+            raise StateError(f"{p}: unreadable provider revisions: {exc}") from None
+
+    def sync_providers(self, providers: list[ProviderConfig]) -> dict[str, ProviderRevision]:
+        """Assign a random uid at creation and bump the generation on every spec change. A
+        provider absent from the config is deleted here, so re-creating the same name later
+        gets a new uid (spec: provider_uid identifies the object, including same-name
+        recreations)."""
+        old = self._read_revisions()
+        new: dict[str, ProviderRevision] = {}
+        for provider in providers:
+            digest = provider_spec_digest(provider)
+            prev = old.get(provider.name)
+            if prev is None:
+                new[provider.name] = ProviderRevision(secrets.token_hex(8), 1, digest)
+            elif prev.spec_digest != digest:
+                new[provider.name] = ProviderRevision(prev.uid, prev.generation + 1, digest)
+            else:
+                new[provider.name] = prev
+        if new != old:
+            write_durably(self.path / PROVIDERS_FILE, msgspec.json.encode(new))
+        return new
+
+
+def state_summary(state: StateDir) -> dict[str, Any]:
+    return {"path": str(state.path), "epoch_high_water": state.read_epoch_high_water()}
+
+
+__all__ = ["StateDir", "ProviderRevision", "provider_spec_digest", "write_durably"]
