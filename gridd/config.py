@@ -345,8 +345,10 @@ def _explain(err: msgspec.ValidationError, tree: Any) -> str:
         allowed = _allowed_values(parts)
         return f"{_fmt_path(parts)}: expected one of {', '.join(map(repr, allowed))}, got {value!r}"
     got = ""
-    if found and ", got " not in what:
-        got = f", got {value!r}" if not isinstance(value, dict | list) else f", got a {type(value).__name__}"
+    if found:
+        # Show the offending value itself where it is a scalar; a mapping or list by its kind.
+        what = what.split(", got `")[0]
+        got = f", got a {type(value).__name__}" if isinstance(value, dict | list) else f", got {value!r}"
     return f"{_fmt_path(parts)}: {_friendly(what)}{got}"
 
 

@@ -83,6 +83,17 @@ class Daemon:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status=task_status)
+        except BaseExceptionGroup as group:
+            # A start-up failure (socket in use, bad TLS files) reaches the caller as the plain
+            # GriddError it is, so `gridd run` can print one clear line.
+            errors = group.exceptions
+            if len(errors) == 1 and isinstance(errors[0], GriddError):
+                raise errors[0] from None
+            raise
+
+    async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
         cfg = self.loaded.config
         async with trio.open_nursery() as root:
             await root.start(self._signal_loop, name="signals")

@@ -1,0 +1,3 @@
+from gridd.cli import gridd_main
+
+raise SystemExit(gridd_main())
