@@ -15,8 +15,8 @@ import signal
 import time
 from typing import Any
 
-import trio
 import prometheus_client
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gridd import __version__
