@@ -1,0 +1,174 @@
+"""The scrape pool: every interval, one pass over every enabled provider's /metrics.
+
+At most ``concurrency`` (16) scrapes run at once: one CapacityLimiter, acquired before a
+scrape task is spawned (STYLE 8), and httpx's own connection pool sized at or above it so
+it never becomes a hidden queue. Each scrape is bounded by its provider's timeout, owned
+here by the caller (STYLE 3), so a hanging provider costs one slot for that long and never
+delays the others beyond the pool bound. A pass starts no sooner than one interval after
+the previous pass started, and never overlaps it; its duration is recorded because the
+readiness floor depends on it (spec: Provider Readiness).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+
+import httpx
+import msgspec
+import trio
+
+log = logging.getLogger("gridd.scrape")
+
+FAILURE_CLASSES = ("timeout", "connect", "tls", "http_status", "body_cap", "parse")
+
+
+class ScrapeTarget(msgspec.Struct, frozen=True):
+    provider: str
+    url: str
+    timeout_s: float
+    headers: dict[str, str] = {}
+
+
+class ScrapeResult(msgspec.Struct, frozen=True):
+    """What one scrape returned. ``body`` is set only on success; ``failure_class`` is one of
+    FAILURE_CLASSES otherwise. ``finished_at`` is trio time (monotonic)."""
+
+    provider: str
+    finished_at: float
+    duration_s: float
+    body: bytes | None = None
+    failure_class: str | None = None
+    detail: str = ""
+
+
+def _is_tls_error(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError | ssl.CertificateError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+async def fetch_capped(client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int) -> tuple[bytes | None, str | None, str]:
+    """GET the target, reading at most ``body_cap`` decoded bytes. Returns (body, failure
+    class, detail). A body of exactly ``body_cap`` bytes is accepted; one byte more is
+    ``body_cap`` (DESIGN 5b), and the rest of it is never read."""
+    try:
+        async with client.stream("GET", target.url, headers=target.headers) as response:
+            if not 200 <= response.status_code < 300:
+                return None, "http_status", f"HTTP {response.status_code}"
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > body_cap:
+                    return None, "body_cap", f"body over {body_cap} bytes"
+                chunks.append(chunk)
+            return b"".join(chunks), None, ""
+    except httpx.HTTPError as exc:
+        # Map errors at the layer edge (STYLE 4): TLS trouble surfaces from httpx as a
+        # ConnectError whose cause is an ssl error; a broken or malformed response mid-way
+        # is a transport failure of the connection.
+        if _is_tls_error(exc):
+            return None, "tls", f"TLS: {exc}"
+        if isinstance(exc, httpx.DecodingError):
+            return None, "parse", f"undecodable body: {exc}"
+        if isinstance(exc, httpx.TimeoutException):
+            return None, "timeout", str(exc) or type(exc).__name__
+        return None, "connect", f"{type(exc).__name__}: {exc}"
+    except (ssl.SSLError, ssl.CertificateError) as exc:
+        return None, "tls", f"TLS: {exc}"
+    except OSError as exc:
+        return None, "connect", f"{type(exc).__name__}: {exc}"
+
+
+async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int) -> ScrapeResult:
+    start = trio.current_time()
+    body: bytes | None = None
+    failure: str | None = "timeout"
+    detail = f"no answer within {target.timeout_s:g} s"
+    with trio.move_on_after(target.timeout_s):
+        body, failure, detail = await fetch_capped(client, target, body_cap)
+    end = trio.current_time()
+    return ScrapeResult(target.provider, end, end - start, body, failure, detail)
+
+
+def make_client(concurrency: int, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
+    # httpx's pool at or above the limiter, so it never becomes a hidden queue (STYLE 8).
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(limits=limits, timeout=None, verify=verify, follow_redirects=False,
+                             headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1"})
+
+
+class ScrapePool:
+    """Runs passes; hands each finished scrape to ``on_result`` as it completes, and each
+    pass's duration to ``on_pass`` once the slowest scrape of the pass is done."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        concurrency: int,
+        body_cap: int,
+        on_result: Callable[[ScrapeResult], Awaitable[None] | None],
+        on_pass: Callable[[float, float], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.limiter = trio.CapacityLimiter(concurrency)
+        self.body_cap = body_cap
+        self.on_result = on_result
+        self.on_pass = on_pass
+        self.last_pass_s: float | None = None
+        self.passes = 0
+        self.max_in_flight_seen = 0
+        self._in_flight = 0
+
+    async def run_pass(self, targets: Sequence[ScrapeTarget]) -> float:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for target in targets:
+                token = object()
+                await self.limiter.acquire_on_behalf_of(token)
+                nursery.start_soon(self._scrape_released, target, token, name=f"scrape:{target.provider}")
+        duration = trio.current_time() - start
+        self.last_pass_s = duration
+        self.passes += 1
+        if self.on_pass is not None:
+            self.on_pass(start, duration)
+        return duration
+
+    async def _scrape_released(self, target: ScrapeTarget, token: object) -> None:
+        self._in_flight += 1
+        self.max_in_flight_seen = max(self.max_in_flight_seen, self._in_flight)
+        try:
+            result = await scrape_one(self.client, target, self.body_cap)
+        finally:
+            self._in_flight -= 1
+            self.limiter.release_on_behalf_of(token)
+        outcome = self.on_result(result)
+        if outcome is not None:
+            await outcome
+
+    async def run(
+        self,
+        interval_s: Callable[[], float],
+        targets: Callable[[], Sequence[ScrapeTarget]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Pass after pass: the next starts one interval after the previous one started, or
+        as soon as it ends if it ran longer (never overlapping). Drift-free: scheduled from
+        the previous start with sleep_until (STYLE 9). Interval and targets are read anew
+        each pass, so a committed reload takes effect at the next pass."""
+        task_status.started()
+        next_start = trio.current_time()
+        while True:
+            await trio.sleep_until(next_start)
+            started = trio.current_time()
+            await self.run_pass(targets())
+            next_start = started + interval_s()
