@@ -15,12 +15,17 @@ class UnitLoad(msgspec.Struct, frozen=True, array_like=True):
 
     A field the source does not expose for that unit is None (the EPP exposes a
     per-endpoint waiting count and in-flight count, but no per-endpoint KV usage).
+
+    in_flight: the EPP's per-endpoint llm_d_epp_inflight_requests (summed over flows,
+        largest across producer instances); None without an in-flight producer, for a
+        multi-pool EPP (the series has no pool label) and for vLLM engines.
     """
 
     unit: str
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
+    in_flight: float | None = None
 
 
 class LatencyBlock(msgspec.Struct, frozen=True):

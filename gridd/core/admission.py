@@ -1,0 +1,353 @@
+"""Batch admission and publication fences, shared by operators (hubs) and gateways.
+
+Every batch a receiver takes off the signals channel passes ``AdmissionFences.admit``
+before it may touch the store. Admission decides, per (site, provider):
+
+    ACCEPTED  a new reading; the caller stores it (and its age).
+    REPEAT    the publication already admitted; the caller changes nothing: the held
+              reading keeps its age and learning lifetime, and nothing is counted.
+    DROPPED   with a bounded reason, counted here for
+              grid_signals_ingest_dropped_total{reason}.
+
+Pure: no IO, the receiver's wall clock comes in as ``now_wall`` (seconds). Memory is
+one entry per (site, provider) the receiver has admitted or fenced, plus at most
+SKEW_EVIDENCE_MAX skew-evidence entries.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from typing import Final, Literal
+
+import msgspec
+
+from gridd.core.readings import LatencyBlock, LoadSignals
+from gridd.core.signals import sample_count
+from gridd.wire import FEEDBACK_EVIDENCE_MAX, WIRE_INT_MAX, Batch, Cursor, SkewEvidence
+
+__all__ = [
+    "ACCEPTED",
+    "DROP_REASONS",
+    "FUTURE_EPOCH_BOUND_S",
+    "REPEAT",
+    "SKEW_EVIDENCE_MAX",
+    "Admission",
+    "AdmissionFences",
+    "DropReason",
+    "Outcome",
+    "validate_payload",
+]
+
+DropReason = Literal["skew", "stale_order", "identity", "decode", "invalid"]
+
+# The bounded label set of grid_signals_ingest_dropped_total{reason}.
+DROP_REASONS: Final[tuple[DropReason, ...]] = ("skew", "stale_order", "identity", "decode", "invalid")
+
+# Spec: "hubs and gateways reject epochs more than ten minutes ahead of their own wall
+# clock, matching SWIM's lease bound". DESIGN 5: a config knob, default 600 s.
+FUTURE_EPOCH_BOUND_S: Final = 600.0
+
+# Skew evidence kept for the feedback reporter: as many as one report can carry.
+SKEW_EVIDENCE_MAX: Final = FEEDBACK_EVIDENCE_MAX
+
+
+class Outcome(enum.Enum):
+    ACCEPTED = "accepted"
+    REPEAT = "repeat"
+    DROPPED = "dropped"
+
+
+class Admission(msgspec.Struct, frozen=True):
+    """The verdict on one batch. ``reason`` is set only for DROPPED; ``detail`` is for logs."""
+
+    outcome: Outcome
+    reason: DropReason | None = None
+    detail: str = ""
+
+
+ACCEPTED: Final = Admission(Outcome.ACCEPTED)
+REPEAT: Final = Admission(Outcome.REPEAT)
+
+
+class _SourceState:
+    """What admission remembers about one (site, provider)."""
+
+    __slots__ = ("fence", "fence_content", "fence_admitted", "latest", "latest_published_ms")
+
+    def __init__(self) -> None:
+        # The highest (publisher_epoch, batch_sequence) seen with valid ordering
+        # metadata, whether its payload was admitted or rejected.
+        self.fence: tuple[int, int] | None = None
+        # The publication at the fence, without its age, to tell a repeat from a replay.
+        self.fence_content: Batch | None = None
+        self.fence_admitted = False
+        # The latest admitted reading of either kind, without its age.
+        self.latest: Batch | None = None
+        # Highest published_ms among admitted readings; orders revision-less batches.
+        self.latest_published_ms: int | None = None
+
+
+def _without_age(batch: Batch) -> Batch:
+    # Relays add their holding time to age_s, so two deliveries of one publication
+    # differ only there; identity is everything else.
+    return batch if batch.age_s == 0.0 else msgspec.structs.replace(batch, age_s=0.0)
+
+
+class AdmissionFences:
+    """Per-(site, provider) fences, drop counters and skew evidence of one receiver."""
+
+    def __init__(self, *, future_epoch_bound_s: float = FUTURE_EPOCH_BOUND_S) -> None:
+        self.future_epoch_bound_s = future_epoch_bound_s
+        self._sources: dict[tuple[str, str], _SourceState] = {}
+        self._drops: dict[DropReason, int] = dict.fromkeys(DROP_REASONS, 0)
+        # Insertion-ordered set, oldest first; a re-rejected batch moves to the end.
+        self._skew_evidence: OrderedDict[SkewEvidence, None] = OrderedDict()
+
+    # --- admission ------------------------------------------------------------------
+
+    def admit(self, batch: Batch, *, now_wall: float, verified_site: str | None) -> Admission:
+        """Admit one batch. ``verified_site``: the site a direct peer's certificate
+        names; None for data relayed by the receiver's own operator."""
+        # a. DESIGN 2: "A peer's readings are attributed only to the site its verified
+        #    identity names; a peer claiming another site's data is dropped and counted."
+        if verified_site is not None and batch.site != verified_site:
+            return self._drop("identity", f"peer {verified_site!r} sent a batch for site {batch.site!r}")
+        if not batch.site or not batch.provider:
+            return self._drop("invalid", "empty site or provider")
+
+        key = (batch.site, batch.provider)
+        revision = batch.revision
+        if revision is None:
+            return self._admit_unordered(key, batch, now_wall)
+
+        epoch, sequence = revision.publisher_epoch, revision.batch_sequence
+        if epoch < 0 or sequence < 0:
+            # Not valid ordering metadata: nothing to fence with, nothing retained.
+            return self._drop("invalid", f"negative ordering metadata ({epoch}, {sequence})")
+
+        # b. Spec: "At admission, hubs and gateways reject epochs more than ten minutes
+        #    ahead of their own wall clock ... before retaining any publication fence."
+        #    Exactly the bound ahead is accepted.
+        if epoch > now_wall + self.future_epoch_bound_s:
+            self._remember_skew(SkewEvidence(batch.site, batch.provider, epoch, sequence))
+            return self._drop(
+                "skew", f"publisher_epoch {epoch} is {epoch - now_wall:.0f}s ahead of the local wall clock"
+            )
+
+        # c. Spec: "Receivers order batches by publisher epoch and sequence to reject
+        #    delayed data."
+        order = (epoch, sequence)
+        content = _without_age(batch)
+        state = self._sources.get(key)
+        if state is not None and state.fence is not None:
+            if order < state.fence:
+                return self._drop("stale_order", f"{order} is behind the fence {state.fence}")
+            if order == state.fence:
+                if content != state.fence_content:
+                    # Same ordering metadata, different payload: a replay, not a repeat.
+                    return self._drop("stale_order", f"{order} replayed with a different payload")
+                if state.fence_admitted:
+                    # Spec: "Repeating a complete publication leaves its age and
+                    # learning lifetime unchanged and is not counted as a parse drop."
+                    return REPEAT
+                # The same rejected payload again: rejected again.
+                return self._drop("invalid", f"{order} repeats a rejected payload")
+
+        # d. Spec: "Valid ordering metadata survives rejected payloads." DESIGN 5b: no
+        #    reading is taken, but (epoch, sequence) still advances the fence, so an
+        #    older or replayed batch cannot slip in after it.
+        problem = validate_payload(batch)
+        if state is None:
+            state = self._sources[key] = _SourceState()
+        state.fence = order
+        state.fence_content = content
+        state.fence_admitted = problem is None
+        if problem is not None:
+            return self._drop("invalid", problem)
+        self._take_reading(state, content)
+        return ACCEPTED
+
+    def _admit_unordered(self, key: tuple[str, str], batch: Batch, now_wall: float) -> Admission:
+        # e. Spec: "Missing or stale metadata disables learning while fresh pressure
+        #    signals remain usable." A batch without a revision has no (epoch, sequence):
+        #    it never creates, moves or is checked against a fence. It is ordered by its
+        #    publisher's published_ms against every reading admitted for this provider,
+        #    so a delayed one cannot replace a newer reading.
+        content = _without_age(batch)
+        state = self._sources.get(key)
+        if state is not None:
+            if content == state.latest:
+                return REPEAT
+            if state.latest_published_ms is not None and batch.published_ms <= state.latest_published_ms:
+                return self._drop(
+                    "stale_order",
+                    f"revision-less batch published at {batch.published_ms} ms, "
+                    f"not after {state.latest_published_ms} ms",
+                )
+        problem = validate_payload(batch)
+        if problem is None and batch.published_ms / 1000.0 > now_wall + self.future_epoch_bound_s:
+            # Its published_ms is its only ordering; one from too far ahead would hold
+            # back every later revision-less batch, so the epoch bound applies to it.
+            problem = f"published_ms {batch.published_ms} is beyond the future bound"
+        if problem is not None:
+            return self._drop("invalid", problem)
+        if state is None:
+            state = self._sources[key] = _SourceState()
+        self._take_reading(state, content)
+        return ACCEPTED
+
+    @staticmethod
+    def _take_reading(state: _SourceState, content: Batch) -> None:
+        state.latest = content
+        if state.latest_published_ms is None or content.published_ms > state.latest_published_ms:
+            state.latest_published_ms = content.published_ms
+
+    # --- counters and evidence ------------------------------------------------------
+
+    def _drop(self, reason: DropReason, detail: str) -> Admission:
+        # Counters latch at the wire's maximum instead of wrapping (spec).
+        self._drops[reason] = min(self._drops[reason] + 1, WIRE_INT_MAX)
+        return Admission(Outcome.DROPPED, reason, detail)
+
+    def note_decode_error(self) -> Admission:
+        """Count a frame that failed to decode (gridd.wire.WireDecodeError)."""
+        return self._drop("decode", "frame did not decode")
+
+    def _remember_skew(self, evidence: SkewEvidence) -> None:
+        self._skew_evidence.pop(evidence, None)
+        self._skew_evidence[evidence] = None
+        while len(self._skew_evidence) > SKEW_EVIDENCE_MAX:
+            self._skew_evidence.popitem(last=False)
+
+    def drops(self) -> dict[DropReason, int]:
+        """Cumulative drops by reason (every reason present, 0 when none)."""
+        return dict(self._drops)
+
+    def skew_evidence(self) -> tuple[SkewEvidence, ...]:
+        """The most recent distinct skew rejections, oldest first, at most SKEW_EVIDENCE_MAX."""
+        return tuple(self._skew_evidence)
+
+    # --- fences ---------------------------------------------------------------------
+
+    def fence(self, site: str, provider: str) -> tuple[int, int] | None:
+        """The (publisher_epoch, batch_sequence) fence for one provider, if any."""
+        state = self._sources.get((site, provider))
+        return None if state is None else state.fence
+
+    def cursors(self) -> tuple[Cursor, ...]:
+        """Every fence as a Poll cursor."""
+        return tuple(
+            Cursor(site, provider, state.fence[0], state.fence[1])
+            for (site, provider), state in self._sources.items()
+            if state.fence is not None
+        )
+
+    def forget(self, site: str, provider: str) -> None:
+        """Drop everything held for a deleted provider (its next batch starts fresh)."""
+        self._sources.pop((site, provider), None)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+
+# --- payload validation ---------------------------------------------------------------
+
+
+def _bad_count(value: float | None) -> bool:
+    return value is not None and not (math.isfinite(value) and value >= 0)
+
+
+def _bad_fraction(value: float | None) -> bool:
+    return value is not None and not (math.isfinite(value) and 0.0 <= value <= 1.0)
+
+
+def _load_problem(load: LoadSignals) -> str | None:
+    if load.ready_endpoints is not None and load.ready_endpoints < 0:
+        return f"load.ready_endpoints={load.ready_endpoints} is negative"
+    if load.queue_full_units < 0:
+        return f"load.queue_full_units={load.queue_full_units} is negative"
+    for name in ("avg_running", "avg_waiting", "kv_spread", "flow_queue", "in_flight"):
+        if _bad_count(getattr(load, name)):
+            return f"load.{name}={getattr(load, name)!r} is not a finite non-negative number"
+    if _bad_fraction(load.kv_mean):
+        return f"load.kv_mean={load.kv_mean!r} is outside 0..1"
+    seen: set[str] = set()
+    for i, unit in enumerate(load.units):
+        if not unit.unit:
+            return f"load.units[{i}] has an empty name"
+        if unit.unit in seen:
+            return f"load.units[{i}] repeats unit {unit.unit!r}"
+        seen.add(unit.unit)
+        if _bad_count(unit.running) or _bad_count(unit.waiting) or _bad_count(unit.in_flight):
+            return f"load.units[{i}] running/waiting/in_flight is not a finite non-negative number"
+        if _bad_fraction(unit.kv_usage):
+            return f"load.units[{i}].kv_usage={unit.kv_usage!r} is outside 0..1"
+    return None
+
+
+def _latency_problem(latency: LatencyBlock) -> str | None:
+    if not (math.isfinite(latency.window_s) and latency.window_s > 0):
+        return f"latency.window_s={latency.window_s!r} is not a finite positive number"
+    if latency.completed < 0:
+        return f"latency.completed={latency.completed} is negative"
+    for name in ("ttft_p50_s", "ttft_p90_s", "tpot_s"):
+        if _bad_count(getattr(latency, name)):
+            return f"latency.{name}={getattr(latency, name)!r} is not a finite non-negative number"
+    if _bad_fraction(latency.error_ratio):
+        return f"latency.error_ratio={latency.error_ratio!r} is outside 0..1"
+    p50, p90 = latency.ttft_p50_s, latency.ttft_p90_s
+    if p50 is not None and p90 is not None and p50 > p90:
+        return f"latency.ttft_p50_s={p50} exceeds ttft_p90_s={p90}"
+    return None
+
+
+def validate_payload(batch: Batch) -> str | None:
+    """What is wrong with a batch's payload, or None when it may become a reading.
+
+    Ordering metadata (site, provider, publisher_epoch, batch_sequence) is checked by
+    ``AdmissionFences.admit`` itself; this covers everything a reading is built from.
+    """
+    if not batch.model:
+        return "empty model"
+    if batch.published_ms < 0:
+        return f"published_ms={batch.published_ms} is negative"
+    if _bad_count(batch.age_s):
+        return f"age_s={batch.age_s!r} is not a finite non-negative number"
+    revision, load = batch.revision, batch.load
+    if revision is not None:
+        if not revision.provider_uid:
+            return "revision.provider_uid is empty"
+        if revision.generation < 0:
+            return f"revision.generation={revision.generation} is negative"
+        if revision.batch_samples < 0:
+            return f"revision.batch_samples={revision.batch_samples} is negative"
+    if batch.complete:
+        # DESIGN 5b: complete = carries revision metadata and all of that scrape's samples.
+        if revision is None:
+            return "complete batch without revision metadata"
+        if load is None:
+            return "complete batch without load"
+    if load is not None:
+        problem = _load_problem(load)
+        if problem is not None:
+            return problem
+        # batch_samples is the scrape's load-sample count (gridd.core.signals.sample_count):
+        # a complete batch carries exactly that many, an incomplete one no more.
+        if revision is not None:
+            carried = sample_count(load)
+            if batch.complete and carried != revision.batch_samples:
+                return f"complete batch carries {carried} samples, revision says {revision.batch_samples}"
+            if carried > revision.batch_samples:
+                return f"batch carries {carried} samples, revision says {revision.batch_samples}"
+    if batch.latency is not None:
+        problem = _latency_problem(batch.latency)
+        if problem is not None:
+            return problem
+    for name, value in batch.probes.items():
+        if not name:
+            return "probe metadata with an empty name"
+        if not math.isfinite(value):
+            return f"probe {name!r}={value!r} is not finite"
+    return None

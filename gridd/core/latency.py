@@ -1,0 +1,293 @@
+"""Recent latency over a sliding window of scrapes (spec: Provider Latency; DESIGN 5, 5b).
+
+LatencyWindow keeps cumulative counter snapshots of one provider, one per successful
+scrape, and differences the newest against a baseline inside the window:
+
+- window: the baseline is the *oldest held snapshot taken at or after now - window_s*,
+  so the block never covers more than window_s. Snapshots taken before now - window_s are
+  dropped on every observe, which bounds memory to one window of scrapes. Until a full
+  window has been held (start-up, after a counter reset or a scrape gap) the baseline is
+  the oldest snapshot there is and the block covers a shorter span; LatencyBlock.window_s
+  is the span actually covered (newest minus baseline time).
+- completed = successes + failures in the window; a block is built only when
+  completed >= min_completed ("only when at least 20 requests completed in that window").
+- counter reset: any cumulative value lower than in the previous snapshot (an EPP or vLLM
+  restart) drops the history; "A restart resets its counters and the window starts over."
+
+Sources (docs/signals.md, "Latency"):
+
+- EPP: successes = sum of llm_d_epp_request_duration_seconds_count (recorded only for
+  successful requests; legacy inference_objective_request_duration_seconds_count when the
+  canonical family is absent). failures = sum of llm_d_epp_request_error_total over
+  error codes, except the rows with model_name="" (bodies the EPP could not parse: they
+  name no model and never reach request_total). TTFT from
+  llm_d_epp_request_ttft_seconds, streaming="true" rows only; TPOT = delta(sum) /
+  delta(count) of llm_d_epp_request_streaming_tpot_seconds.
+- vLLM: completed = sum of vllm:request_success_total over finished_reason; successes
+  (engine answers) exclude finished_reason "abort" and "error"; vLLM has no failure
+  count that tells a failed request from a client cancellation, so error_ratio is None.
+  TTFT from vllm:time_to_first_token_seconds; TPOT from
+  vllm:request_time_per_output_token_seconds (per-request mean, the EPP's definition),
+  else vllm:inter_token_latency_seconds, else vllm:time_per_output_token_seconds.
+
+Pure: ``now`` is a monotonic float of seconds passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from gridd.core.exposition import Exposition
+from gridd.core.readings import LatencyBlock
+
+__all__ = [
+    "DEFAULT_ENGINE_ANSWER_WINDOW_S",
+    "DEFAULT_LATENCY_WINDOW_S",
+    "DEFAULT_MIN_COMPLETED",
+    "LatencyWindow",
+    "histogram_quantile",
+]
+
+DEFAULT_LATENCY_WINDOW_S = 30.0
+DEFAULT_MIN_COMPLETED = 20
+DEFAULT_ENGINE_ANSWER_WINDOW_S = 30.0
+
+_EPP_SUCCESS = ("llm_d_epp_request_duration_seconds_count",
+                "inference_objective_request_duration_seconds_count")
+_EPP_ERRORS = ("llm_d_epp_request_error_total", "inference_objective_request_error_total")
+_EPP_TTFT_BUCKET = "llm_d_epp_request_ttft_seconds_bucket"
+_EPP_TPOT = ("llm_d_epp_request_streaming_tpot_seconds",)
+
+_VLLM_SUCCESS = "vllm:request_success_total"
+_VLLM_NOT_ANSWERED = frozenset({"abort", "error"})
+_VLLM_TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+_VLLM_TPOT = ("vllm:request_time_per_output_token_seconds",
+              "vllm:inter_token_latency_seconds",
+              "vllm:time_per_output_token_seconds")
+
+Buckets = tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """Cumulative counters of one scrape."""
+
+    at: float
+    source: str  # "epp" or "vllm"
+    successes: float
+    completed: float
+    failures: float | None  # None: the source has no failure count
+    ttft: Buckets  # (upper bound, cumulative count), sorted by bound, +Inf last
+    tpot_sum: float
+    tpot_count: float
+
+    def counters(self) -> tuple[float, ...]:
+        failures = 0.0 if self.failures is None else self.failures
+        return (self.successes, self.completed, failures, self.tpot_sum, self.tpot_count,
+                *(count for _, count in self.ttft))
+
+
+def _total(expo: Exposition, families: tuple[str, ...], *, skip_empty_model: bool = False) -> float:
+    """Sum of the first family present (canonical before legacy; never both: an EPP from
+    v0.9 on emits both under dual emission, and adding them would count twice)."""
+    for family in families:
+        rows = expo.samples.get(family)
+        if rows:
+            return sum(v for labels, v in rows if math.isfinite(v)
+                       and not (skip_empty_model and labels.get("model_name") == ""))
+    return 0.0
+
+
+def _buckets(expo: Exposition, family: str, *, streaming_only: bool) -> Buckets:
+    """Cumulative bucket counts summed across label sets per ``le``.
+
+    Summing cumulative counts of several series bucket by bucket yields the cumulative
+    histogram of their union (all EPP flows share one bucket layout).
+    """
+    per_le: dict[float, float] = {}
+    for labels, value in expo.samples.get(family, ()):
+        if streaming_only and labels.get("streaming") != "true":
+            continue
+        le_text = labels.get("le")
+        if le_text is None or math.isnan(value):
+            continue
+        try:
+            le = float(le_text)
+        except ValueError:
+            continue
+        per_le[le] = per_le.get(le, 0.0) + value
+    return tuple(sorted(per_le.items()))
+
+
+def _sum_count(expo: Exposition, histograms: tuple[str, ...]) -> tuple[float, float]:
+    for name in histograms:
+        count_rows = expo.samples.get(f"{name}_count")
+        if count_rows:
+            total = sum(v for _, v in expo.samples.get(f"{name}_sum", ()) if math.isfinite(v))
+            return total, sum(v for _, v in count_rows if math.isfinite(v))
+    return 0.0, 0.0
+
+
+def _snapshot(now: float, expo: Exposition) -> _Snapshot:
+    if any(name.startswith("vllm:") for name in expo.samples):
+        successes = completed = 0.0
+        for labels, value in expo.samples.get(_VLLM_SUCCESS, ()):
+            if not math.isfinite(value):
+                continue
+            completed += value
+            if labels.get("finished_reason") not in _VLLM_NOT_ANSWERED:
+                successes += value
+        tpot_sum, tpot_count = _sum_count(expo, _VLLM_TPOT)
+        return _Snapshot(at=now, source="vllm", successes=successes, completed=completed,
+                         failures=None,
+                         ttft=_buckets(expo, _VLLM_TTFT_BUCKET, streaming_only=False),
+                         tpot_sum=tpot_sum, tpot_count=tpot_count)
+    successes = _total(expo, _EPP_SUCCESS)
+    failures = _total(expo, _EPP_ERRORS, skip_empty_model=True)
+    tpot_sum, tpot_count = _sum_count(expo, _EPP_TPOT)
+    return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
+                     failures=failures,
+                     ttft=_buckets(expo, _EPP_TTFT_BUCKET, streaming_only=True),
+                     tpot_sum=tpot_sum, tpot_count=tpot_count)
+
+
+def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
+    """A restart: the source changed, a bucket layout changed, or a counter went down.
+
+    A histogram first appearing (no streaming request before) is not a layout change: its
+    buckets were all zero.
+    """
+    if prev.source != cur.source or cur.at < prev.at:
+        return True
+    if prev.ttft and cur.ttft and [le for le, _ in prev.ttft] != [le for le, _ in cur.ttft]:
+        return True
+    if prev.ttft and not cur.ttft:
+        return True
+    # prev may lack the TTFT buckets (no streaming request yet): compare what both have.
+    return any(c < p for p, c in zip(prev.counters(), cur.counters(), strict=False))
+
+
+def histogram_quantile(q: float, buckets: Buckets) -> float | None:
+    """The q-quantile of a cumulative histogram, as Prometheus' histogram_quantile does.
+
+    buckets: (upper bound, cumulative count) sorted by bound, ending with +Inf. The rank
+    q * total falls in the first bucket whose cumulative count reaches it; the value is
+    interpolated linearly between that bucket's lower and upper bounds (the lowest
+    bucket's lower bound is 0). A rank in the +Inf bucket returns the last finite upper
+    bound. None when there are no observations or no +Inf bucket.
+    """
+    if len(buckets) < 2 or buckets[-1][0] != math.inf:
+        return None
+    # Prometheus' ensureMonotonic: deltas of cumulative counts taken at slightly different
+    # instants can dip; a bucket never holds fewer than the one below it.
+    bounds: list[float] = []
+    counts: list[float] = []
+    running_max = 0.0
+    for bound, count in buckets:
+        running_max = max(running_max, count)
+        bounds.append(bound)
+        counts.append(running_max)
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    b = next(i for i, count in enumerate(counts) if count >= rank)
+    if b == len(counts) - 1:
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start = 0.0 if b == 0 else bounds[b - 1]
+    below = 0.0 if b == 0 else counts[b - 1]
+    return start + (bounds[b] - start) * (rank - below) / (counts[b] - below)
+
+
+class LatencyWindow:
+    """One provider's latency window and engine-answer record. Feed every successful scrape.
+
+    observe(now, expo) returns the LatencyBlock over the window ending at ``now``, or None
+    (fewer than min_completed completions in it, or no baseline yet).
+    """
+
+    __slots__ = ("window_s", "min_completed", "_snapshots", "_last_answer_at",
+                 "_answered_on_last_observe", "resets")
+
+    def __init__(self, window_s: float = DEFAULT_LATENCY_WINDOW_S,
+                 min_completed: int = DEFAULT_MIN_COMPLETED) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        if min_completed < 1:
+            raise ValueError("min_completed must be at least 1")
+        self.window_s = window_s
+        self.min_completed = min_completed
+        self._snapshots: deque[_Snapshot] = deque()
+        self._last_answer_at: float | None = None
+        self._answered_on_last_observe = False
+        # Counter resets seen (EPP or vLLM restarts), for a metric.
+        self.resets = 0
+
+    @property
+    def last_answer_at(self) -> float | None:
+        """When the latest engine answer was observed: the time of the later of the two
+        scrapes between which the success counter rose. None before any."""
+        return self._last_answer_at
+
+    @property
+    def answered_on_last_observe(self) -> bool:
+        """Whether the latest observe saw the success counter rise since the scrape before
+        (what ReadinessTracker.on_scrape takes as ``engine_answered``)."""
+        return self._answered_on_last_observe
+
+    @property
+    def snapshots_held(self) -> int:
+        """Snapshots held: the baseline and every newer one (at most one window's worth)."""
+        return len(self._snapshots)
+
+    def engine_answered_within(self, now: float, within_s: float = DEFAULT_ENGINE_ANSWER_WINDOW_S) -> bool:
+        """DESIGN 5: an engine answer is the provider's request counters showing a completed
+        successful request. True when a success-counter increase was observed between two
+        scrapes, the later of them at most within_s before now (inclusive)."""
+        return self._last_answer_at is not None and now - self._last_answer_at <= within_s
+
+    def observe(self, now: float, expo: Exposition) -> LatencyBlock | None:
+        snap = _snapshot(now, expo)
+        self._answered_on_last_observe = False
+        if self._snapshots:
+            prev = self._snapshots[-1]
+            if _is_reset(prev, snap):
+                # "A restart resets its counters and the window starts over." Completions
+                # since the restart cannot be dated, so they are not an engine answer.
+                self._snapshots.clear()
+                self.resets += 1
+            elif snap.successes > prev.successes:
+                self._last_answer_at = now
+                self._answered_on_last_observe = True
+        self._snapshots.append(snap)
+        start = now - self.window_s
+        while self._snapshots[0].at < start:
+            self._snapshots.popleft()
+        base = self._snapshots[0]
+        if base is snap:
+            return None
+        return self._block(base, snap)
+
+    def _block(self, base: _Snapshot, cur: _Snapshot) -> LatencyBlock | None:
+        completed = cur.completed - base.completed
+        if completed < self.min_completed:
+            return None
+        ttft = tuple((le, count - base_count) for (le, count), (_, base_count)
+                     in zip(cur.ttft, base.ttft, strict=True)) if base.ttft else cur.ttft
+        tpot_count = cur.tpot_count - base.tpot_count
+        tpot = (cur.tpot_sum - base.tpot_sum) / tpot_count if tpot_count > 0 else None
+        error_ratio = None
+        if cur.failures is not None and base.failures is not None:
+            error_ratio = (cur.failures - base.failures) / completed
+        return LatencyBlock(
+            window_s=cur.at - base.at,
+            completed=int(round(completed)),
+            ttft_p50_s=histogram_quantile(0.5, ttft),
+            ttft_p90_s=histogram_quantile(0.9, ttft),
+            tpot_s=tpot,
+            error_ratio=error_ratio,
+        )

@@ -1,0 +1,302 @@
+"""Load signals derived from one provider scrape (spec: Provider In-flight; DESIGN 5).
+
+derive_load(expo, pool=..., queue_full_at=...) turns one parsed /metrics exposition into
+a LoadSignals. It detects the source:
+
+- an llm-d EPP: pool gauges labelled ``name`` (canonical ``llm_d_epp_*``, falling back to
+  the legacy ``inference_pool_*`` twins an older EPP emits), the per-endpoint queue, the
+  optional ``inflight-load-producer`` series and flow control;
+- a plain vLLM server: ``vllm:*`` engine gauges, one serving unit per ``engine`` label;
+- neither (e.g. a standby EPP replica, which reports no pool series): an empty
+  LoadSignals, so readiness stays unknown and no load is published.
+
+docs/signals.md has every rule with the sample arithmetic. Pure: no IO, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from gridd.core.exposition import Exposition
+from gridd.core.readings import LoadSignals, UnitLoad
+
+__all__ = [
+    "WANTED_SAMPLES",
+    "LOAD_SAMPLES",
+    "derive_load",
+    "pool_names",
+    "sample_count",
+]
+
+Labels = dict[str, str]
+Series = list[tuple[Labels, float]]
+
+# Pool gauges: (canonical, legacy twin). The canonical family wins whenever it has a
+# sample for the pool; the legacy one serves EPPs older than llm-d-router v0.9.
+_READY = ("llm_d_epp_ready_endpoints", "inference_pool_ready_pods")
+_AVG_RUNNING = ("llm_d_epp_average_running_requests", "inference_pool_average_running_requests")
+_AVG_WAITING = ("llm_d_epp_average_queue_size", "inference_pool_average_queue_size")
+_AVG_KV = ("llm_d_epp_average_kv_cache_utilization", "inference_pool_average_kv_cache_utilization")
+# The std-dev gauges exist only from llm-d-router v0.10; they have no legacy twin.
+_STD_KV = "llm_d_epp_std_dev_kv_cache_utilization"
+# Per-endpoint waiting count and the label naming the endpoint in each family.
+_PER_ENDPOINT = (
+    ("llm_d_epp_per_endpoint_queue_size", "model_server_endpoint"),
+    ("inference_pool_per_pod_queue_size", "model_server_pod"),
+)
+_INFLIGHT = "llm_d_epp_inflight_requests"
+_FLOW_QUEUE = ("llm_d_epp_flow_control_queue_size", "inference_extension_flow_control_queue_size")
+
+_POOL_FAMILIES = (*_READY, *_AVG_RUNNING, *_AVG_WAITING, *_AVG_KV, _STD_KV,
+                  *(name for name, _ in _PER_ENDPOINT))
+
+_VLLM_RUNNING = "vllm:num_requests_running"
+_VLLM_WAITING = "vllm:num_requests_waiting"
+# vllm:gpu_cache_usage_perc is the pre-0.10 name of vllm:kv_cache_usage_perc.
+_VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+# Every sample the load derivation reads.
+LOAD_SAMPLES: frozenset[str] = frozenset({
+    *_POOL_FAMILIES, _INFLIGHT, *_FLOW_QUEUE, _VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV,
+})
+
+
+def _histogram(name: str) -> tuple[str, str, str]:
+    return (f"{name}_bucket", f"{name}_sum", f"{name}_count")
+
+
+# Every sample the latency window (gridd.core.latency) reads. Kept here so the scraper
+# passes one set to the parser.
+_LATENCY_SAMPLES: frozenset[str] = frozenset({
+    *_histogram("llm_d_epp_request_ttft_seconds"),
+    *_histogram("llm_d_epp_request_duration_seconds"),
+    *_histogram("llm_d_epp_request_streaming_tpot_seconds"),
+    "llm_d_epp_request_error_total",
+    *_histogram("inference_objective_request_duration_seconds"),
+    "inference_objective_request_error_total",
+    "vllm:request_success_total",
+    *_histogram("vllm:time_to_first_token_seconds"),
+    *_histogram("vllm:request_time_per_output_token_seconds"),
+    *_histogram("vllm:inter_token_latency_seconds"),
+    *_histogram("vllm:time_per_output_token_seconds"),
+})
+
+WANTED_SAMPLES: frozenset[str] = LOAD_SAMPLES | _LATENCY_SAMPLES
+
+
+def pool_names(expo: Exposition) -> tuple[str, ...]:
+    """The pools an EPP exposition reports (``name`` label of its pool gauges), sorted."""
+    names: set[str] = set()
+    for family in _POOL_FAMILIES:
+        for labels, _ in expo.samples.get(family, ()):
+            name = labels.get("name")
+            if name is not None:
+                names.add(name)
+    return tuple(sorted(names))
+
+
+def derive_load(expo: Exposition, *, pool: str | None = None,
+                queue_full_at: float | None = None) -> LoadSignals:
+    """Derive one provider's LoadSignals from one exposition (one instant).
+
+    pool: the InferencePool name (the ``name`` label). None picks the only pool the
+        exposition reports; with several pools and no name the reading is ambiguous and
+        nothing is derived (an empty LoadSignals: readiness unknown, no load), because
+        guessing would publish another pool's load under this provider.
+    queue_full_at: a unit whose waiting count is at or above this is queue-full
+        (shedding's "queue_full per serving unit"); None counts no unit as full.
+    """
+    pools = pool_names(expo)
+    if pools:
+        if pool is None:
+            if len(pools) != 1:
+                return LoadSignals()
+            pool = pools[0]
+        if pool not in pools:
+            return LoadSignals()
+        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at)
+    if any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV)):
+        return _derive_vllm(expo, queue_full_at)
+    return LoadSignals()
+
+
+def sample_count(load: LoadSignals) -> int:
+    """The batch's load-sample count (``batch_samples``; DESIGN 5: a batch "carries its
+    sample count").
+
+    One sample per serving unit in ``load.units``, plus one pool-level sample when the
+    batch carries any fresh pool-level load (avg_running, avg_waiting, kv_mean or
+    in_flight). A provider with no fresh endpoint therefore counts 0, which is what the
+    spec's "A zero-sample revision invalidates learning" needs. ready_endpoints and
+    flow_queue are not load samples: they are stamped even when nothing is fresh.
+    """
+    pool_sample = any(v is not None for v in
+                      (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
+    return len(load.units) + (1 if pool_sample else 0)
+
+
+def _first_for_pool(expo: Exposition, families: Iterable[str], pool: str) -> float | None:
+    for family in families:
+        for labels, value in expo.samples.get(family, ()):
+            if labels.get("name") == pool:
+                return value
+    return None
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _queue_full(units: Iterable[UnitLoad], queue_full_at: float | None) -> int:
+    if queue_full_at is None:
+        return 0
+    return sum(1 for u in units if u.waiting is not None and u.waiting >= queue_full_at)
+
+
+def _inflight_per_endpoint(expo: Exposition) -> dict[tuple[str, str], float]:
+    """Each endpoint's in-flight count: sum over flows within a producer, max over producers.
+
+    Series are keyed (endpoint_name, namespace, producer_name, fairness_id, priority). A
+    producer counts every request it tracks on the endpoint once, split by flow, so the
+    endpoint's count under one producer is the sum over its flows; two producer instances
+    track the same requests, so the spec takes "each endpoint's largest count across
+    producer instances" rather than adding them.
+    """
+    per_producer: dict[tuple[str, str], dict[str, float]] = {}
+    for labels, value in expo.samples.get(_INFLIGHT, ()):
+        if not math.isfinite(value):
+            continue
+        endpoint = (labels.get("namespace", ""), labels.get("endpoint_name", ""))
+        producers = per_producer.setdefault(endpoint, {})
+        producer = labels.get("producer_name", "")
+        producers[producer] = producers.get(producer, 0.0) + value
+    return {endpoint: max(by_producer.values()) for endpoint, by_producer in per_producer.items()}
+
+
+def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
+                queue_full_at: float | None) -> LoadSignals:
+    ready_raw = _finite(_first_for_pool(expo, _READY, pool))
+    ready = None if ready_raw is None else max(0, int(ready_raw))
+
+    # Flow control labels its series with inference_pool (the --pool-name flag), which is
+    # empty in endpoint-selector mode. A stock EPP serves one pool, so with one pool in the
+    # exposition every flow-control series is that pool's; only a multi-pool exposition
+    # needs the label to tell them apart.
+    flow_family = next((f for f in _FLOW_QUEUE if expo.samples.get(f)), None)
+    flow_queue = 0.0
+    if flow_family is not None:
+        for labels, value in expo.samples[flow_family]:
+            if math.isfinite(value) and (not multi_pool or labels.get("inference_pool") == pool):
+                flow_queue += value
+
+    # "A site with no fresh endpoint publishes nothing, since its averages are frozen":
+    # with ready_endpoints == 0 the EPP leaves every average and std-dev gauge at its last
+    # value, and the per-endpoint queue still lists stale endpoints. Only the count itself
+    # and the live flow-control queue are kept.
+    if ready == 0:
+        return LoadSignals(ready_endpoints=0, flow_queue=flow_queue)
+
+    avg_running = _finite(_first_for_pool(expo, _AVG_RUNNING, pool))
+    avg_waiting = _finite(_first_for_pool(expo, _AVG_WAITING, pool))
+    kv_mean = _finite(_first_for_pool(expo, _AVG_KV, pool))
+    kv_spread = _finite(_first_for_pool(expo, (_STD_KV,), pool))
+
+    # "The per-endpoint count carries no pool label, so an EPP serving several pools falls
+    # back to the averages alone."
+    inflight = {} if multi_pool else _inflight_per_endpoint(expo)
+    inflight_by_name: dict[str, float] = {}
+    for (_, name), count in inflight.items():
+        inflight_by_name[name] = inflight_by_name.get(name, 0.0) + count
+
+    waiting_by_endpoint: dict[str, float] = {}
+    for family, endpoint_label in _PER_ENDPOINT:
+        for labels, value in expo.samples.get(family, ()):
+            if labels.get("name") == pool and math.isfinite(value):
+                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""), value)
+        if waiting_by_endpoint:
+            break
+    # The EPP exposes no per-endpoint running count or KV usage: running and kv_usage stay
+    # None (docs/signals.md explains why running is not inferred from in-flight - waiting).
+    units = tuple(
+        UnitLoad(unit=name, waiting=waiting, in_flight=inflight_by_name.get(name))
+        for name, waiting in sorted(waiting_by_endpoint.items())
+    )
+
+    # Provider In-flight: the larger of the per-endpoint estimate and the averages
+    # estimate, plus flow control. "The larger, so an EPP restart that zeroes its count
+    # does not make the site look idle." An estimate whose inputs are absent is skipped
+    # (no in-flight producer; no average-running gauge before GIE v1.5 or without a
+    # ready count); with neither estimate there is no in_flight.
+    estimates: list[float] = []
+    if inflight:
+        estimates.append(sum(inflight.values()))
+    if avg_running is not None and avg_waiting is not None and ready is not None:
+        estimates.append((avg_running + avg_waiting) * ready)
+    in_flight = max(estimates) + flow_queue if estimates else None
+
+    return LoadSignals(
+        ready_endpoints=ready,
+        units=units,
+        avg_running=avg_running,
+        avg_waiting=avg_waiting,
+        kv_mean=kv_mean,
+        kv_spread=kv_spread,
+        flow_queue=flow_queue,
+        in_flight=in_flight,
+        queue_full_units=_queue_full(units, queue_full_at),
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _sample_std_dev(values: list[float]) -> float | None:
+    """Sample standard deviation (n - 1), as the EPP's std-dev gauges; 0 for one value."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _derive_vllm(expo: Exposition, queue_full_at: float | None) -> LoadSignals:
+    """A provider pointed at vLLM's own /metrics: one unit per data-parallel engine.
+
+    No ready-endpoint series exists, so ready_endpoints is None ("leaves readiness
+    unknown, not false, and does not exclude").
+    """
+    def per_engine(families: tuple[str, ...]) -> dict[str, float]:
+        for family in families:
+            found: dict[str, float] = {}
+            for labels, value in expo.samples.get(family, ()):
+                if math.isfinite(value):
+                    found.setdefault(labels.get("engine", "0"), value)
+            if found:
+                return found
+        return {}
+
+    running = per_engine((_VLLM_RUNNING,))
+    waiting = per_engine((_VLLM_WAITING,))
+    kv = per_engine(_VLLM_KV)
+    engines = sorted(set(running) | set(waiting) | set(kv), key=lambda e: (len(e), e))
+    units = tuple(UnitLoad(unit=e, running=running.get(e), waiting=waiting.get(e), kv_usage=kv.get(e))
+                  for e in engines)
+
+    in_flight = None
+    if running or waiting:
+        in_flight = sum(running.values()) + sum(waiting.values())
+    kv_values = [kv[e] for e in engines if e in kv]
+    return LoadSignals(
+        ready_endpoints=None,
+        units=units,
+        avg_running=_mean([running[e] for e in engines if e in running]),
+        avg_waiting=_mean([waiting[e] for e in engines if e in waiting]),
+        kv_mean=_mean(kv_values),
+        kv_spread=_sample_std_dev(kv_values),
+        flow_queue=0.0,
+        in_flight=in_flight,
+        queue_full_units=_queue_full(units, queue_full_at),
+    )
