@@ -1,32 +1,201 @@
-"""The operator role: scrape pool, exporter, signals server, peer pollers (see DESIGN.md 4)."""
+"""The operator role (DESIGN.md 4): scrape pool, exporter, signals server, peer pollers.
+
+The trio tasks here only move data: scrape results go into the pure per-provider
+publishers (gridd.core.publication), their batches into the holdings (gridd.core.holdings),
+which the exporter, the signals server and gridctl read.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
+import httpx
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry
 
-from gridd.config import LoadedConfig
+from gridd.config import Config, LoadedConfig, ProviderConfig
+from gridd.core.admission import AdmissionFences
+from gridd.core.holdings import Holdings
+from gridd.core.publication import ProviderPublisher
+from gridd.core.readiness import effective_stale_after_s
+from gridd.operator.exporter import ProviderCollector
+from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
+from gridd.state import ProviderRevision, StateDir
+
+log = logging.getLogger("gridd.operator")
+
+
+class StagedOperator(msgspec.Struct, frozen=True):
+    loaded: LoadedConfig
+    revisions: dict[str, ProviderRevision]
+    tls: Any = None
+
+
+def scrape_target(provider: ProviderConfig) -> ScrapeTarget | None:
+    source = provider.metrics
+    if source is None or not provider.enabled:
+        return None
+    headers = {}
+    auth = provider.settings.auth
+    if source.url.startswith(("http://", "https://")) and auth.scheme == "bearer" and auth.api_key:
+        # An EPP's /metrics wants a bearer token by default (--metrics-endpoint-auth).
+        headers["authorization"] = f"Bearer {auth.api_key}"
+    return ScrapeTarget(provider.name, source.url, source.timeout_s, headers)
 
 
 class OperatorService:
-    def __init__(self, loaded: LoadedConfig, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        registry: CollectorRegistry,
+        *,
+        wall: Callable[[], float] = time.time,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         self.loaded = loaded
         self.registry = registry
+        self.wall = wall
+        self._client = client
+        self.state = StateDir(loaded.resolve(loaded.config.state_dir))
+        self.holdings = Holdings()
+        self.fences = AdmissionFences(future_epoch_bound_s=loaded.config.timings.future_epoch_bound_s)
+        self.publishers: dict[str, ProviderPublisher] = {}
+        self.publisher_epoch: int | None = None
+        self.pool: ScrapePool | None = None
+        self.tls = None
+        self._draining = False
+        registry.register(ProviderCollector(
+            self.holdings,
+            lambda: list(self.publishers.values()),
+            trio.current_time,
+            lambda: self.pool.last_pass_s if self.pool is not None else None,
+            self.fences.drops,
+        ))
+
+    @property
+    def config(self) -> Config:
+        return self.loaded.config
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
+        # DESIGN 5: the publisher epoch is written durably before the first publication.
+        self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
+        revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
+        self._apply_providers(revisions)
+        log.info("publisher epoch %d; %d providers", self.publisher_epoch, len(self.publishers))
+        timings = self.config.timings
+        client = self._client or make_client(timings.scrape_concurrency)
+        async with client, trio.open_nursery() as nursery:
+            self.pool = ScrapePool(client, concurrency=timings.scrape_concurrency,
+                                   body_cap=timings.body_cap_bytes, on_result=self._on_scrape)
+            await nursery.start(self.pool.run, lambda: self.config.timings.scrape_interval_s,
+                                self._targets, name="scrape-pool")
+            task_status.started()
 
-    async def stage(self, new: LoadedConfig) -> LoadedConfig:
-        return new
+    def _targets(self) -> list[ScrapeTarget]:
+        if self._draining:
+            return []
+        return [t for p in self.config.providers if (t := scrape_target(p)) is not None]
 
-    def commit(self, staged: LoadedConfig) -> None:
-        self.loaded = staged
+    def _stale_after_s(self) -> float:
+        t = self.config.timings
+        last_pass = self.pool.last_pass_s if self.pool is not None and self.pool.last_pass_s is not None else 0.0
+        # The readiness floor (one interval + max(interval, last pass)) overrides
+        # staleMetricsSeconds when longer (spec: Provider Readiness).
+        return effective_stale_after_s(t.effective_stale_metrics_s, t.scrape_interval_s, last_pass)
+
+    def _on_scrape(self, result: ScrapeResult) -> None:
+        publisher = self.publishers.get(result.provider)
+        provider = next((p for p in self.config.providers if p.name == result.provider), None)
+        if publisher is None or provider is None:
+            return  # removed by a reload while its scrape ran
+        batch = publisher.on_scrape(
+            now=result.finished_at,
+            wall_now=self.wall(),
+            body=result.body,
+            failure_class=result.failure_class,
+            failure_detail=result.detail,
+            stale_after_s=self._stale_after_s(),
+            unavailable=provider.unavailable,
+        )
+        if result.failure_class is not None and publisher.summary.failures.get(result.failure_class) == 1:
+            log.warning("provider %s: scrape failed (%s): %s", result.provider, result.failure_class, result.detail)
+        self.holdings.hold(batch, result.finished_at)
+
+    def _apply_providers(self, revisions: dict[str, ProviderRevision]) -> None:
+        cfg = self.config
+        now = trio.current_time()
+        for name in [n for n in self.publishers if n not in revisions]:
+            del self.publishers[name]
+            self.holdings.forget(cfg.site, name)
+        t = cfg.timings
+        for provider in cfg.providers:
+            rev = revisions[provider.name]
+            pool = provider.metrics.pool if provider.metrics else None
+            queue_full_at = provider.metrics.queue_full_at if provider.metrics else None
+            existing = self.publishers.get(provider.name)
+            if existing is None:
+                self.publishers[provider.name] = ProviderPublisher(
+                    site=cfg.site, provider=provider.name, model=provider.model, provider_uid=rev.uid,
+                    generation=rev.generation, publisher_epoch=self.publisher_epoch or 0, created_at=now,
+                    pool=pool, queue_full_at=queue_full_at, latency_window_s=t.latency_window_s,
+                    latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
+                )
+            else:
+                existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
+                                     pool=pool, queue_full_at=queue_full_at)
+
+    async def stage(self, new: LoadedConfig) -> StagedOperator:
+        # Provider revisions are persisted here, last, once everything else checked out.
+        revisions = await trio.to_thread.run_sync(self.state.sync_providers, new.config.providers)
+        return StagedOperator(new, revisions)
+
+    def commit(self, staged: StagedOperator) -> None:
+        self.loaded = staged.loaded
+        self._apply_providers(staged.revisions)
 
     async def drain(self) -> None:
-        return None
+        # Stop producing: the next pass scrapes nothing. Peers and gateways keep polling
+        # what we hold until the daemon's deadline ends the process.
+        self._draining = True
 
     def status(self) -> dict[str, Any]:
-        return {"providers": [p.name for p in self.loaded.config.providers]}
+        now = trio.current_time()
+        stale_after = self._stale_after_s()
+        providers = []
+        for provider in self.config.providers:
+            pub = self.publishers.get(provider.name)
+            if pub is None:
+                continue
+            verdict = pub.current_verdict(now, stale_after_s=stale_after, unavailable=provider.unavailable)
+            load, latency, s = pub.last_load, pub.last_latency, pub.summary
+            providers.append({
+                "name": provider.name,
+                "model": provider.model,
+                "ready": verdict.ready,
+                "reason": verdict.reason,
+                "message": verdict.message,
+                "ready_endpoints": load.ready_endpoints if load else None,
+                "in_flight": load.in_flight if load else None,
+                "kv_mean": load.kv_mean if load else None,
+                "kv_spread": load.kv_spread if load else None,
+                "latency": msgspec.to_builtins(latency) if latency else None,
+                "scrape_age_s": None if s.last_scrape_at is None else round(now - s.last_scrape_at, 3),
+                "failure_class": s.last_failure_class,
+                "failure_detail": s.last_failure_detail,
+                "provider_uid": pub.provider_uid,
+                "generation": pub.generation,
+                "batch_sequence": pub.sequence,
+            })
+        return {
+            "publisher_epoch": self.publisher_epoch,
+            "stale_after_s": round(stale_after, 3),
+            "last_pass_s": None if self.pool is None or self.pool.last_pass_s is None else round(self.pool.last_pass_s, 4),
+            "providers": providers,
+            "held_readings": len(self.holdings),
+        }

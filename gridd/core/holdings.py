@@ -1,0 +1,72 @@
+"""What an operator holds: the latest batch per (site, provider), its own and its peers'.
+
+Relays preserve sample age and whole batches (spec: Provider revisions): a batch is stored
+as received, with the time it arrived, and leaves with its age increased by the time it
+was held. Pure: ``now`` is passed in (monotonic seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+
+from gridd.wire import Batch, with_added_age
+
+
+class Held(msgspec.Struct, frozen=True):
+    batch: Batch
+    held_since: float
+
+    def age_s(self, now: float) -> float:
+        return self.batch.age_s + max(0.0, now - self.held_since)
+
+
+class Holdings:
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str, str], Held] = {}
+        self._qualified: dict[tuple[str, str], Held] = {}
+
+    def hold(self, batch: Batch, now: float) -> None:
+        key = (batch.site, batch.provider)
+        held = Held(batch, now)
+        self._latest[key] = held
+        if batch.complete and batch.revision is not None:
+            self._qualified[key] = held
+
+    def forget(self, site: str, provider: str) -> None:
+        self._latest.pop((site, provider), None)
+        self._qualified.pop((site, provider), None)
+
+    def forget_site(self, site: str) -> None:
+        for key in [k for k in self._latest if k[0] == site]:
+            self.forget(*key)
+
+    def expire(self, now: float, ttl_s: float, *, keep_site: str | None = None) -> list[tuple[str, str]]:
+        """Drop readings older than the signal TTL (a series the operator does not hold is
+        absent, not 0). The operator's own site is kept: its batches refresh every pass and
+        its failures travel as verdicts."""
+        gone = [k for k, h in self._latest.items() if k[0] != keep_site and h.age_s(now) > ttl_s]
+        for key in gone:
+            self.forget(*key)
+        return gone
+
+    def latest(self) -> Iterator[tuple[Held, Held | None]]:
+        """(latest batch, latest qualified batch) per provider."""
+        for key, held in self._latest.items():
+            yield held, self._qualified.get(key)
+
+    def get(self, site: str, provider: str) -> Held | None:
+        return self._latest.get((site, provider))
+
+    def relay(self, now: float, *, site: str | None = None) -> tuple[Batch, ...]:
+        """Whole batches, the original revision metadata untouched, the age increased by the
+        time they were held. ``site`` limits it to one site (what a peer operator is sent)."""
+        return tuple(
+            with_added_age(h.batch, now - h.held_since)
+            for (s, _), h in self._latest.items()
+            if site is None or s == site
+        )
+
+    def __len__(self) -> int:
+        return len(self._latest)

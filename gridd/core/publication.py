@@ -1,0 +1,139 @@
+"""The operator's per-provider pipeline: one scrape in, one Batch out. Pure: time comes in.
+
+scrape body -> parse (WANTED_SAMPLES only) -> derive load -> latency window -> readiness
+verdict -> Batch. Only a *qualified* batch (the scrape succeeded, was not cut at the body
+cap, and parsed) carries revision metadata and takes the next sequence number (spec:
+Provider revisions; DESIGN 5b). A failed scrape still publishes the readiness verdict, in
+a batch without revision metadata: receivers use it for readiness but never learn from it.
+"""
+
+from __future__ import annotations
+
+from gridd.core.exposition import parse_exposition
+from gridd.core.latency import LatencyWindow
+from gridd.core.readiness import ReadinessTracker, Verdict
+from gridd.core.readings import LatencyBlock, LoadSignals, Revision
+from gridd.core.signals import WANTED_SAMPLES, derive_load, sample_count
+from gridd.wire import Batch
+
+
+class ScrapeSummary:
+    """What gridctl and the exporter show about a provider's scraping."""
+
+    __slots__ = ("scrapes", "failures", "malformed_lines", "last_success_at", "last_failure_class",
+                 "last_failure_detail", "last_scrape_at")
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+        self.failures: dict[str, int] = {}
+        self.malformed_lines = 0
+        self.last_success_at: float | None = None
+        self.last_scrape_at: float | None = None
+        self.last_failure_class: str | None = None
+        self.last_failure_detail = ""
+
+
+class ProviderPublisher:
+    def __init__(
+        self,
+        *,
+        site: str,
+        provider: str,
+        model: str,
+        provider_uid: str,
+        generation: int,
+        publisher_epoch: int,
+        created_at: float,
+        pool: str | None = None,
+        queue_full_at: float | None = None,
+        latency_window_s: float = 30.0,
+        latency_min_completed: int = 20,
+        engine_answer_window_s: float = 30.0,
+    ) -> None:
+        self.site = site
+        self.provider = provider
+        self.model = model
+        self.provider_uid = provider_uid
+        self.generation = generation
+        self.publisher_epoch = publisher_epoch
+        self.pool = pool
+        self.queue_full_at = queue_full_at
+        self.sequence = 0
+        self.readiness = ReadinessTracker(created_at=created_at, engine_answer_window_s=engine_answer_window_s)
+        self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
+        self.summary = ScrapeSummary()
+        self.last_load: LoadSignals | None = None
+        self.last_latency: LatencyBlock | None = None
+        self.last_verdict: Verdict | None = None
+        self.probes: dict[str, float] = {}
+
+    def reconfigure(self, *, model: str, provider_uid: str, generation: int, pool: str | None,
+                    queue_full_at: float | None) -> None:
+        """A committed reload. A new uid (delete + re-create) restarts the latency window and
+        readiness history with the object; a new generation keeps them (same provider)."""
+        if provider_uid != self.provider_uid:
+            self.latency = LatencyWindow(window_s=self.latency.window_s, min_completed=self.latency.min_completed)
+            self.sequence = 0
+        self.model, self.provider_uid, self.generation = model, provider_uid, generation
+        self.pool, self.queue_full_at = pool, queue_full_at
+
+    def on_scrape(
+        self,
+        *,
+        now: float,
+        wall_now: float,
+        body: bytes | None,
+        failure_class: str | None,
+        failure_detail: str = "",
+        stale_after_s: float,
+        unavailable: bool,
+    ) -> Batch:
+        summary = self.summary
+        summary.scrapes += 1
+        summary.last_scrape_at = now
+        load: LoadSignals | None = None
+        latency: LatencyBlock | None = None
+        if failure_class is None and body is not None:
+            expo = parse_exposition(body, WANTED_SAMPLES)
+            summary.malformed_lines += expo.malformed_lines
+            if expo.malformed_lines and not expo.samples:
+                # Nothing usable came out of a body that did not parse: a failed scrape.
+                failure_class, failure_detail = "parse", f"{expo.malformed_lines} malformed lines, no samples"
+            else:
+                load = derive_load(expo, pool=self.pool, queue_full_at=self.queue_full_at)
+                latency = self.latency.observe(now, expo)
+                self.readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
+                                         engine_answered=self.latency.answered_on_last_observe)
+        if failure_class is not None:
+            summary.failures[failure_class] = summary.failures.get(failure_class, 0) + 1
+            summary.last_failure_class, summary.last_failure_detail = failure_class, failure_detail
+            self.readiness.on_scrape_failure(now, failure_class)
+        else:
+            summary.last_success_at = now
+            summary.last_failure_class, summary.last_failure_detail = None, ""
+        verdict = self.readiness.verdict(now, stale_after_s=stale_after_s, unavailable=unavailable)
+        self.last_verdict = verdict
+        revision = None
+        if load is not None:
+            self.last_load, self.last_latency = load, latency
+            self.sequence += 1
+            revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, self.sequence,
+                                sample_count(load))
+        return Batch(
+            site=self.site,
+            provider=self.provider,
+            model=self.model,
+            published_ms=int(wall_now * 1000),
+            age_s=0.0,
+            revision=revision,
+            complete=revision is not None,
+            ready=verdict.ready,
+            ready_reason=verdict.reason,
+            load=load,
+            latency=latency,
+            probes=dict(self.probes),
+        )
+
+    def current_verdict(self, now: float, *, stale_after_s: float, unavailable: bool) -> Verdict:
+        """The verdict now, between scrapes (staleness moves with time)."""
+        return self.readiness.verdict(now, stale_after_s=stale_after_s, unavailable=unavailable)

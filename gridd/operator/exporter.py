@@ -1,0 +1,117 @@
+"""grid_provider_* on the operator's /metrics: a collector over what the operator holds.
+
+Families are built at scrape time from the holdings (STYLE 11), so a series the operator
+does not hold is absent, not 0: unknown readiness has no grid_provider_ready; a provider
+with no fresh endpoint has no in-flight; latency needs 20 completed requests in 30 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gridd.core.holdings import Holdings
+from gridd.core.publication import ProviderPublisher
+
+LABELS = ["grid_site", "grid_provider"]
+
+
+class ProviderCollector(Collector):
+    def __init__(
+        self,
+        holdings: Holdings,
+        publishers: Callable[[], Iterable[ProviderPublisher]],
+        now: Callable[[], float],
+        last_pass_s: Callable[[], float | None],
+        ingest_drops: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        self.holdings = holdings
+        self.publishers = publishers
+        self.now = now
+        self.last_pass_s = last_pass_s
+        self.ingest_drops = ingest_drops
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ready = GaugeMetricFamily("grid_provider_ready", "1 when the provider can serve, 0 when not; "
+                                  "absent when readiness is unknown.", labels=LABELS)
+        endpoints = GaugeMetricFamily("grid_provider_ready_endpoints",
+                                      "The EPP's ready (fresh) endpoint count.", labels=LABELS)
+        in_flight = GaugeMetricFamily("grid_provider_in_flight_requests",
+                                      "Requests in flight at the provider (spec: Provider In-flight).",
+                                      labels=LABELS)
+        ttft50 = GaugeMetricFamily("grid_provider_ttft_p50_seconds",
+                                   "Median time to first token over the latency window.", labels=LABELS)
+        ttft90 = GaugeMetricFamily("grid_provider_ttft_p90_seconds",
+                                   "90th percentile time to first token over the latency window.", labels=LABELS)
+        tpot = GaugeMetricFamily("grid_provider_tpot_seconds",
+                                 "Mean time per output token over the latency window.", labels=LABELS)
+        errors = GaugeMetricFamily("grid_provider_error_ratio",
+                                   "Failed over completed requests over the latency window.", labels=LABELS)
+        generation = GaugeMetricFamily(
+            "grid_provider_config_generation",
+            "Provider generation, once per qualified batch, stamped with its publication time.",
+            labels=[*LABELS, "provider_uid", "publisher_epoch", "batch_sequence", "batch_samples"],
+        )
+        age = GaugeMetricFamily("grid_provider_sample_age_seconds",
+                                "Age of the held reading (relays add their holding time).", labels=LABELS)
+        now = self.now()
+        for held, qualified in self.holdings.latest():
+            b = held.batch
+            labels = [b.site, b.provider]
+            age.add_metric(labels, held.age_s(now))
+            if b.ready is not None:
+                ready.add_metric(labels, 1.0 if b.ready else 0.0)
+            # Load and latency come from the latest batch only: after a failed scrape the
+            # operator holds no current reading, so those series are absent until the next
+            # qualified batch (the verdict still shows why).
+            load, latency = b.load, b.latency
+            if load is not None and load.ready_endpoints is not None:
+                endpoints.add_metric(labels, float(load.ready_endpoints))
+            if load is not None and load.in_flight is not None:
+                in_flight.add_metric(labels, load.in_flight)
+            if latency is not None:
+                for family, value in ((ttft50, latency.ttft_p50_s), (ttft90, latency.ttft_p90_s),
+                                      (tpot, latency.tpot_s), (errors, latency.error_ratio)):
+                    if value is not None:
+                        family.add_metric(labels, value)
+            source = qualified.batch if qualified is not None else None
+            if source is not None and source.revision is not None:
+                r = source.revision
+                # Only the latest qualified batch's series per provider, stamped with that
+                # batch's publication time in milliseconds (DESIGN 5b).
+                generation.add_metric(
+                    [*labels, r.provider_uid, str(r.publisher_epoch), str(r.batch_sequence), str(r.batch_samples)],
+                    float(r.generation), timestamp=source.published_ms / 1000.0,
+                )
+        yield from (ready, endpoints, in_flight, ttft50, ttft90, tpot, errors, generation, age)
+
+        scrapes = CounterMetricFamily("grid_provider_scrapes", "Scrapes of the provider's /metrics.",
+                                      labels=LABELS)
+        failures = CounterMetricFamily("grid_provider_scrape_failures",
+                                       "Failed scrapes by failure class.", labels=[*LABELS, "reason"])
+        malformed = CounterMetricFamily("grid_provider_parse_dropped_lines",
+                                        "Exposition lines skipped as malformed.", labels=LABELS)
+        for pub in self.publishers():
+            labels = [pub.site, pub.provider]
+            s = pub.summary
+            scrapes.add_metric(labels, s.scrapes)
+            for reason, count in sorted(s.failures.items()):
+                failures.add_metric([*labels, reason], count)
+            malformed.add_metric(labels, s.malformed_lines)
+        yield from (scrapes, failures, malformed)
+        last = self.last_pass_s()
+        if last is not None:
+            yield GaugeMetricFamily("grid_operator_scrape_pass_duration_seconds",
+                                    "Duration of the latest scrape pass (it waits for its slowest scrape).",
+                                    value=last)
+        if self.ingest_drops is not None:
+            drops = CounterMetricFamily("grid_signals_ingest_dropped", "Batches not admitted, by reason.",
+                                        labels=["reason"])
+            for reason, count in sorted(self.ingest_drops().items()):
+                drops.add_metric([reason], count)
+            yield drops
