@@ -1,0 +1,249 @@
+"""The operator against the simulator: readiness rules at the defaults (1 s scrape) on trio's
+MockClock, the body cap, vLLM-direct providers, the exported series (checked by promtool),
+and strictly increasing (publisher_epoch, batch_sequence) across real restarts."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+
+from gridd.config import load_config
+from gridd.operator.service import OperatorService
+from gridd.sim.app import SimApp
+from gridd.sim.model import knobs_from
+
+CONFIG = """
+role: operator
+site: a
+state_dir: state
+providers:
+  - name: llama
+    model: sim-model
+    settings: {{endpoint: "http://sim/v1"}}
+    metrics: {{url: "http://sim/metrics", timeout_s: 2{extra}}}
+"""
+
+
+class Rig:
+    """An operator whose scrapes reach an in-process simulator (no sockets, virtual time)."""
+
+    def __init__(self, tmp_path, *, extra: str = "", **knobs) -> None:
+        (tmp_path / "operator.yaml").write_text(CONFIG.format(extra=extra))
+        self.sim = SimApp(knobs_from(knobs))
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.sim))
+        self.registry = CollectorRegistry()
+        self.loaded = load_config(tmp_path / "operator.yaml", env={})
+        self.operator = OperatorService(self.loaded, self.registry, client=self.client,
+                                        wall=lambda: 1_800_000_000 + trio.current_time())
+
+    def latest(self):
+        held = self.operator.holdings.get("a", "llama")
+        return None if held is None else held.batch
+
+    def sample(self, name: str, **labels):
+        return self.registry.get_sample_value(name, {"grid_site": "a", "grid_provider": "llama", **labels})
+
+    async def complete(self, *, stream: bool = False) -> None:
+        """One completion through the simulator: an engine answer."""
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.sim)) as c:
+            r = await c.post("http://sim/v1/completions", json={"model": "sim-model", "prompt": "x",
+                                                                  "max_tokens": 2, "stream": stream})
+            assert r.status_code == 200
+
+
+async def test_zero_ready_twice_without_engine_answer_is_not_ready(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, endpoints=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()  # passes run at origin + 0, 1, 2, ... (1 s scrape)
+        await trio.sleep_until(origin + 3.5)
+        assert rig.latest().ready is True and rig.latest().ready_reason == "EndpointsReady"
+        rig.sim.set_knobs(zero_ready=True)
+        await trio.sleep_until(origin + 4.5)  # first zero scrape at +4: not yet
+        assert rig.latest().load.ready_endpoints == 0
+        assert rig.latest().ready is True
+        await trio.sleep_until(origin + 5.5)  # second zero scrape at +5, no answer in 30 s
+        assert (rig.latest().ready, rig.latest().ready_reason) == (False, "ZeroReadyEndpoints")
+        assert rig.sample("grid_provider_ready") == 0.0
+        rig.sim.set_knobs(zero_ready=False)
+        await trio.sleep_until(origin + 6.5)  # one non-zero scrape rejoins
+        assert rig.latest().ready is True
+        nursery.cancel_scope.cancel()
+
+
+async def test_zero_ready_with_a_recent_engine_answer_stays_ready_for_30_s(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, endpoints=2, ttft_s=0.05, tpot_s=0.01)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 2.2)
+        await rig.complete()  # finishes at +2.26; the scrape at +3 sees the success counter rise
+        rig.sim.set_knobs(zero_ready=True)  # zero scrapes at +3, +4, ...
+        await trio.sleep_until(origin + 5.5)
+        assert rig.latest().load.ready_endpoints == 0
+        assert (rig.latest().ready, rig.latest().ready_reason) == (True, "EngineAnswered")
+        # The answer was recorded at the +3 scrape; it counts for 30 s (inclusive): through
+        # the scrape at +33, and no longer at +34.
+        await trio.sleep_until(origin + 33.5)
+        assert rig.latest().ready is True
+        await trio.sleep_until(origin + 34.5)
+        assert (rig.latest().ready, rig.latest().ready_reason) == (False, "ZeroReadyEndpoints")
+        nursery.cancel_scope.cancel()
+
+
+async def test_body_over_cap_is_body_cap_and_unknown(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, endpoints=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 1.5)
+        assert rig.sample("grid_provider_ready") == 1.0
+        rig.sim.set_knobs(huge_body=True)
+        await trio.sleep_until(origin + 2.5)
+        batch = rig.latest()
+        assert (batch.ready, batch.ready_reason) == (None, "BodyCap")
+        assert batch.revision is None and batch.complete is False
+        assert rig.sample("grid_provider_scrape_failures_total", reason="body_cap") == 1.0
+        # unknown readiness: the series is absent, not 0, and it stays so (not declared down)
+        assert rig.sample("grid_provider_ready") is None
+        await trio.sleep_until(origin + 30.5)
+        assert rig.latest().ready is None
+        assert rig.sample("grid_provider_scrape_failures_total", reason="body_cap") == 29.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_body_of_exactly_the_cap_is_accepted(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, endpoints=1, body_bytes=1024 * 1024)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        await trio.sleep(0.5)
+        assert rig.latest().complete is True and rig.latest().ready is True
+        rig.sim.set_knobs(body_bytes=1024 * 1024 + 1)
+        await trio.sleep(1.0)
+        assert rig.latest().ready_reason == "BodyCap"
+        nursery.cancel_scope.cancel()
+
+
+async def test_vllm_direct_is_never_not_ready_for_lack_of_pool_series(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, flavour="vllm", endpoints=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        for t in range(1, 40):
+            await trio.sleep_until(origin + t + 0.5)
+            batch = rig.latest()
+            assert batch.ready is None and batch.ready_reason == "NoReadySeries"
+            assert batch.complete is True and len(batch.load.units) == 2
+        assert rig.sample("grid_provider_ready") is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_stale_after_scrapes_stop_answering(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, endpoints=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 0.5)
+        rig.sim.set_knobs(metrics_hang=True)
+        # Last answer at +0. staleMetricsSeconds = TTL/2 = 10 s; the floor is 1 + max(1, 2)
+        # = 3 s (the hanging passes take the 2 s timeout), lower, so 10 s wins: stale once
+        # more than 10 s passed, i.e. at the verdict of the scrape that times out at +12.
+        await trio.sleep_until(origin + 9.5)
+        assert rig.latest().ready is True
+        await trio.sleep_until(origin + 12.5)
+        batch = rig.latest()
+        assert (batch.ready, batch.ready_reason) == (False, "ScrapeFailed")
+        assert rig.sample("grid_provider_scrape_failures_total", reason="timeout") >= 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_exported_series_pass_promtool(tmp_path, autojump_clock):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: install Debian's 'prometheus' package (scripts/bootstrap does)")
+    rig = Rig(tmp_path, endpoints=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        await trio.sleep(1.5)
+        for _ in range(25):  # >= 20 completed in the window; TTFT counts streamed requests
+            await rig.complete(stream=True)
+        await trio.sleep(2.0)
+        body = generate_latest(rig.registry)
+        nursery.cancel_scope.cancel()
+    text = body.decode()
+    for family in ("grid_provider_ready", "grid_provider_ready_endpoints", "grid_provider_in_flight_requests",
+                   "grid_provider_ttft_p50_seconds", "grid_provider_ttft_p90_seconds", "grid_provider_tpot_seconds",
+                   "grid_provider_error_ratio", "grid_provider_config_generation"):
+        assert re.search(rf"^{family}\{{", text, re.M), family
+    gen = re.search(r"^grid_provider_config_generation\{(.*)\} 1\.0 (\d+)$", text, re.M)
+    assert gen is not None and 'batch_samples="3"' in gen.group(1)
+    proc = await trio.run_process([promtool, "check", "metrics"], stdin=body, capture_stdout=True,
+                                  capture_stderr=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- real processes: the publisher epoch across restarts ----------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generation_series(metrics_url: str, deadline_s: float = 20.0) -> tuple[int, int]:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            text = httpx.get(metrics_url, timeout=2).text
+        except httpx.HTTPError:
+            text = ""
+        m = re.search(r'grid_provider_config_generation\{[^}]*batch_sequence="(\d+)"[^}]*'
+                      r'publisher_epoch="(\d+)"', text)
+        if m:
+            return int(m.group(2)), int(m.group(1))
+        time.sleep(0.2)
+    raise AssertionError(f"no grid_provider_config_generation on {metrics_url}")
+
+
+@pytest.mark.realproc
+def test_restarts_publish_strictly_increasing_epoch_and_sequence(tmp_path):
+    sim_port, metrics_port = _free_port(), _free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--port", str(sim_port)],
+                           stderr=subprocess.DEVNULL)
+    config = tmp_path / "operator.yaml"
+    config.write_text(
+        CONFIG.format(extra="").replace("http://sim", f"http://127.0.0.1:{sim_port}")
+        + f'listen: {{metrics: "127.0.0.1:{metrics_port}"}}\ncontrol_socket: op.sock\n'
+    )
+    seen: list[tuple[int, int]] = []
+    try:
+        for _ in range(4):  # the first start and 3 restarts
+            op = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(config)],
+                                  stderr=subprocess.DEVNULL, env={**os.environ})
+            try:
+                first = _generation_series(f"http://127.0.0.1:{metrics_port}/metrics")
+                time.sleep(1.2)
+                second = _generation_series(f"http://127.0.0.1:{metrics_port}/metrics")
+                seen += [first, second]
+            finally:
+                op.send_signal(signal.SIGTERM)
+                assert op.wait(timeout=15) == 0
+    finally:
+        sim.kill()
+        sim.wait()
+    assert all(a < b for a, b in zip(seen, seen[1:], strict=False)), seen
+    epochs = [e for e, _ in seen[::2]]
+    assert len(set(epochs)) == 4, seen  # a restart never reuses an epoch, even within one second
