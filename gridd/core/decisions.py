@@ -1,0 +1,42 @@
+"""A routing decision for one request: what the OpenAI front does with it."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gridd.wire import LocalProvider
+
+PIN_HEADER = "x-gridd-site"
+"""A request forwarded to another site's ingress carries this header naming that site; the
+receiving gateway serves it locally and never re-routes it (no loops)."""
+
+
+class Forward(msgspec.Struct, frozen=True):
+    """Send the request to one provider of this site, or to another site's ingress."""
+
+    site: str
+    provider: str
+    model: str
+    local: LocalProvider | None = None
+    """Set for this site's providers: endpoint, auth and headers from our own operator."""
+    ingress_url: str | None = None
+    """Set for another site: its gateways' base URL; the request carries PIN_HEADER."""
+
+
+class Shed(msgspec.Struct, frozen=True):
+    """Every healthy site serving the model has been saturated with work waiting: 429."""
+
+    retry_after_s: float
+
+
+class Unavailable(msgspec.Struct, frozen=True):
+    """The model exists but every candidate is excluded (not ready, zero endpoints): 503."""
+
+    retry_after_s: float
+
+
+class UnknownModel(msgspec.Struct, frozen=True):
+    """No site serves the model: 404."""
+
+
+Decision = Forward | Shed | Unavailable | UnknownModel
