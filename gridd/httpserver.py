@@ -1,19 +1,792 @@
 """Serving gridd's ASGI apps (simulator, providers API, OpenAI front, /metrics).
 
 serve_asgi(app, binds, *, task_status) serves until cancelled; task_status.started()
-receives the bound addresses as "http://host:port" strings, so port 0 works in tests.
+receives the bound addresses ("http://host:port", "http://[::1]:port", "unix:/path"), so
+port 0 works in tests. Two backends sit behind it:
+
+- "h11" (default): a small HTTP/1.1 server written here on h11 + trio. One trio task per
+  connection; the app runs inside that task, so a request costs no extra task or queue. It was
+  chosen by measurement (docs/http-serving.md, benchmarks/http_server.py).
+- "hypercorn": hypercorn's trio worker, kept for HTTP/2 or whenever a second opinion is wanted.
+
+Both backends share the limits below and the drain contract: when `stop_accepting` is set the
+listeners close, in-flight requests finish, idle keep-alive connections close, and serve_asgi
+returns once no connection is left. The caller bounds that grace period with move_on_after.
 """
 
 from __future__ import annotations
 
+import email.utils
+import errno
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from functools import partial
+from http import HTTPStatus
+from typing import Any, Literal
+from urllib.parse import unquote
+
+import h11
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
+
+__all__ = [
+    "DEFAULT_KEEP_ALIVE_S",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_HEADER_BYTES",
+    "ClientDisconnected",
+    "parse_bind",
+    "serve_asgi",
+]
+
+logger = logging.getLogger("gridd.http")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# How long a keep-alive connection may sit without a complete request head before the server
+# closes it. Same as hypercorn's default; clients' pools (httpx: 5 s) expire at about the same age.
+DEFAULT_KEEP_ALIVE_S = 5.0
+# Largest request body handed to the app. OpenAI-style chat requests with long contexts stay well
+# under this; anything bigger is refused with 413.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Largest request head (request line + headers), h11's own default. Over it: 431.
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+
+# After an error response sent while the client may still be uploading (413, 400, an app that
+# answered without reading the body), the server half-closes and discards what still arrives for
+# at most this long / this many bytes, so the client reads the response instead of a reset.
+_LINGER_S = 2.0
+_LINGER_MAX_BYTES = 32 * 1024 * 1024
+_READ_BYTES = 64 * 1024
+# accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_RETRY_S = 0.1
 
 
-async def serve_asgi(app, binds: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+class ClientDisconnected(OSError):
+    """Raised by send() once the client is gone (ASGI spec 2.4: an OSError subclass)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Binds
+
+
+def parse_bind(bind: str) -> tuple[Literal["tcp", "unix"], str, int]:
+    """Split a bind ("host:port", "[v6]:port" or "unix:/path") into (kind, host or path, port)."""
+    if bind.startswith("unix:"):
+        path = bind[len("unix:") :]
+        if not path:
+            raise ValueError(f"empty unix socket path in bind {bind!r}")
+        return "unix", path, 0
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"bind {bind!r} is not host:port, [v6]:port or unix:/path")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or "[" in host or "]" in host:
+        raise ValueError(f"bind {bind!r} has no usable host")
+    return "tcp", host, int(port)
+
+
+def _bound_url(sockname: Any, family: int) -> str:
+    if family == socket.AF_UNIX:
+        return f"unix:{sockname}"
+    host, port = sockname[0], sockname[1]
+    if family == socket.AF_INET6:
+        return f"http://[{host}]:{port}"
+    return f"http://{host}:{port}"
+
+
+class _Listener:
+    __slots__ = ("listener", "url", "server", "unix_path")
+
+    def __init__(
+        self, listener: trio.SocketListener, url: str, server: tuple[Any, Any], unix_path: str | None
+    ):
+        self.listener = listener
+        self.url = url
+        self.server = server
+        self.unix_path = unix_path
+
+
+async def _open_listeners(binds: list[str]) -> list[_Listener]:
+    opened: list[_Listener] = []
+    try:
+        for bind in binds:
+            kind, host, port = parse_bind(bind)
+            if kind == "unix":
+                sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    await sock.bind(host)
+                    sock.listen(socket.SOMAXCONN)
+                except BaseException:
+                    sock.close()
+                    raise
+                opened.append(_Listener(trio.SocketListener(sock), f"unix:{host}", (host, None), host))
+                continue
+            for listener in await trio.open_tcp_listeners(port, host=host):
+                sock = listener.socket
+                name = sock.getsockname()
+                opened.append(_Listener(listener, _bound_url(name, sock.family), (name[0], name[1]), None))
+    except BaseException:
+        await _close_listeners(opened)
+        raise
+    return opened
+
+
+async def _close_listeners(listeners: list[_Listener]) -> None:
+    for entry in listeners:
+        # SocketListener.aclose closes before its checkpoint, so this is safe under cancellation.
+        with trio.CancelScope(shield=True):
+            await entry.listener.aclose()
+        if entry.unix_path is not None:
+            try:
+                os.unlink(entry.unix_path)
+            except FileNotFoundError:
+                pass
+            entry.unix_path = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The h11 backend
+
+
+class _ServerState:
+    """What every connection of one serve_asgi call shares."""
+
+    __slots__ = ("draining", "idle_scopes", "_date_second", "_date_value")
+
+    def __init__(self) -> None:
+        self.draining = False
+        # Cancel scopes of connections waiting for a request head; drain cancels them.
+        self.idle_scopes: set[trio.CancelScope] = set()
+        self._date_second = -1
+        self._date_value = b""
+
+    def date_header(self) -> bytes:
+        now = int(time.time())
+        if now != self._date_second:
+            self._date_second = now
+            self._date_value = email.utils.formatdate(now, usegmt=True).encode("ascii")
+        return self._date_value
+
+    def start_drain(self) -> None:
+        self.draining = True
+        for scope in list(self.idle_scopes):
+            scope.cancel()
+
+
+class _Limits:
+    __slots__ = ("keep_alive_s", "max_body_bytes", "max_header_bytes")
+
+    def __init__(self, keep_alive_s: float, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.keep_alive_s = keep_alive_s
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+
+
+def _only_disconnects(exc: BaseException) -> bool:
+    if isinstance(exc, ClientDisconnected):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(ClientDisconnected)
+        return rest is None
+    return False
+
+
+def _head_size(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+    """Bytes of a request head as sent (request line, "name: value\\r\\n" lines, blank line).
+
+    h11 only bounds an *incomplete* head, so a head that arrives whole in one read would pass its
+    check at any size up to the read size; this is the exact bound applied afterwards."""
+    size = len(method) + len(target) + len(b"  HTTP/1.1\r\n\r\n")
+    for name, value in headers:
+        size += len(name) + len(value) + 4
+    return size
+
+
+def _declared_length(headers: Any) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value)  # h11 has already rejected non-digit or conflicting values
+    return None
+
+
+def _missing_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bool, bool]:
+    """(no Content-Length/Transfer-Encoding given, no Date given) for an app's response headers."""
+    framing = date = False
+    for name, _ in headers:
+        lowered = name.lower()
+        if lowered == b"content-length" or lowered == b"transfer-encoding":
+            framing = True
+        elif lowered == b"date":
+            date = True
+    return not framing, not date
+
+
+class _H11Connection:
+    """One client connection: a loop of request/response cycles on one h11.Connection."""
+
+    __slots__ = ("stream", "app", "limits", "state", "conn", "client", "server")
+
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        app: ASGIApp,
+        limits: _Limits,
+        state: _ServerState,
+        server: tuple[Any, Any],
+    ) -> None:
+        self.stream = stream
+        self.app = app
+        self.limits = limits
+        self.state = state
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.server = server
+        self.client: tuple[str, int] | None = None
+        if stream.socket.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                peer = stream.socket.getpeername()
+                self.client = (peer[0], peer[1])
+            except OSError:
+                self.client = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                request = await self._next_request()
+                if request is None:
+                    return
+                outcome = await self._cycle(request)
+                if outcome == "linger":
+                    await self._linger()
+                    return
+                if outcome == "close":
+                    return
+                self.conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            logger.exception("HTTP connection handler failed")
+        finally:
+            await self.stream.aclose()
+
+    async def receive_bytes(self) -> bytes:
+        """b"" on EOF, reset or a locally closed stream."""
+        try:
+            return await self.stream.receive_some(_READ_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
+    async def _next_request(self) -> h11.Request | None:
+        # The keep-alive bound covers the whole wait for a complete request head, which also
+        # bounds a client trickling a head byte by byte.
+        conn = self.conn
+        with trio.move_on_after(self.limits.keep_alive_s) as scope:
+            self.state.idle_scopes.add(scope)
+            try:
+                if self.state.draining:
+                    return None
+                while True:
+                    try:
+                        event = conn.next_event()
+                    except h11.RemoteProtocolError as exc:
+                        await self._send_error(exc.error_status_hint, head_only=False)
+                        await self._linger()
+                        return None
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(await self.receive_bytes())
+                        continue
+                    if type(event) is h11.Request:
+                        return event
+                    return None  # ConnectionClosed
+            finally:
+                self.state.idle_scopes.discard(scope)
+        return None
+
+    async def _cycle(self, request: h11.Request) -> str:
+        """Run the app for one request; "keep", "close" or "linger" (close after draining input)."""
+        headers = list(request.headers)
+        if _head_size(request.method, request.target, headers) > self.limits.max_header_bytes:
+            await self._send_error(431, head_only=request.method == b"HEAD")
+            return "linger"
+        declared = _declared_length(headers)
+        if declared is not None and declared > self.limits.max_body_bytes:
+            await self._send_error(413, head_only=request.method == b"HEAD")
+            return "linger"
+
+        raw_path, _, query = request.target.partition(b"?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": request.http_version.decode("ascii"),
+            "method": request.method.decode("ascii"),
+            "scheme": "http",
+            "path": unquote(raw_path.decode("ascii")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self.client,
+            "server": self.server,
+        }
+        cycle = _RequestCycle(self, request.method == b"HEAD")
+        try:
+            await self.app(scope, cycle.receive, cycle.send)
+        except Exception as exc:
+            if not (cycle.disconnected and _only_disconnects(exc)):
+                logger.exception("ASGI app raised on %s %s", scope["method"], scope["path"])
+            return await self._after_failed_cycle(cycle, 500)
+
+        if cycle.disconnected:
+            return "close"
+        if cycle.over_limit:
+            return await self._after_failed_cycle(cycle, 413)
+        if not cycle.complete:
+            logger.error(
+                "ASGI app returned without completing the response to %s %s", scope["method"], scope["path"]
+            )
+            return await self._after_failed_cycle(cycle, 500)
+
+        conn = self.conn
+        if conn.our_state is not h11.DONE or self.state.draining:
+            return "close"
+        if conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
+            return "linger"
+        return "keep"
+
+    async def _after_failed_cycle(self, cycle: _RequestCycle, status: int) -> str:
+        if cycle.disconnected or cycle.head_sent or self.conn.our_state is not h11.SEND_RESPONSE:
+            # Mid-response: the client sees a truncated body and a closed connection.
+            return "close"
+        await self._send_error(status, head_only=cycle.is_head)
+        return "linger" if self.conn.their_state is not h11.DONE else "close"
+
+    def _finish_body_from_buffer(self) -> bool:
+        """The app answered without reading all of the body: consume what is already buffered."""
+        conn = self.conn
+        while conn.their_state is h11.SEND_BODY:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return False
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return False
+        return conn.their_state is h11.DONE
+
+    async def _send_error(self, status: int, *, head_only: bool) -> None:
+        """A plain-text error response that closes the connection."""
+        conn = self.conn
+        body = f"{status} {_reason(status)}\n".encode("ascii")
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode("ascii")),
+            (b"connection", b"close"),
+            (b"date", self.state.date_header()),
+        ]
+        try:
+            out = conn.send(
+                h11.Response(status_code=status, headers=headers, reason=_reason(status).encode())
+            )
+            if not head_only:
+                out += conn.send(h11.Data(data=body))
+            out += conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            return
+        try:
+            await self.stream.send_all(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _linger(self) -> None:
+        """Half-close, then discard input for a bounded time so the client can read our answer."""
+        try:
+            await self.stream.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+        discarded = 0
+        with trio.move_on_after(_LINGER_S):
+            while discarded < _LINGER_MAX_BYTES:
+                data = await self.receive_bytes()
+                if not data:
+                    return
+                discarded += len(data)
+
+
+class _RequestCycle:
+    """receive/send for one request. receive() reads the socket itself, on demand; no extra task."""
+
+    __slots__ = (
+        "c",
+        "conn",
+        "is_head",
+        "body_done",
+        "body_bytes",
+        "disconnected",
+        "over_limit",
+        "started",
+        "status",
+        "headers",
+        "head_sent",
+        "complete",
+    )
+
+    def __init__(self, connection: _H11Connection, is_head: bool) -> None:
+        self.c = connection
+        self.conn = connection.conn
+        self.is_head = is_head
+        self.body_done = False
+        self.body_bytes = 0
+        self.disconnected = False
+        self.over_limit = False
+        self.started = False
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_sent = False
+        self.complete = False
+
+    async def receive(self) -> Message:
+        if self.disconnected or self.over_limit or self.complete:
+            return {"type": "http.disconnect"}
+        if not self.body_done:
+            return await self._receive_body()
+        # Body fully read, response not finished: the only thing left to report is the client
+        # going away. Reading here (EOF or reset) is what lets a streaming app stop at once.
+        # Pipelined requests that arrive meanwhile are buffered in h11, up to the head limit.
+        conn = self.conn
+        while True:
+            if len(conn.trailing_data[0]) > self.c.limits.max_header_bytes:
+                await trio.sleep_forever()
+            data = await self.c.receive_bytes()
+            if not data:
+                self.disconnected = True
+                return {"type": "http.disconnect"}
+            conn.receive_data(data)
+
+    async def _receive_body(self) -> Message:
+        conn = self.conn
+        if conn.they_are_waiting_for_100_continue:
+            await self._send_bytes(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        chunks: list[bytes] = []
+        limit = self.c.limits.max_body_bytes
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                # Bad chunk framing or EOF mid-body: the request can't be completed.
+                self.disconnected = True
+                return {"type": "http.disconnect"}
+            event_type = type(event)
+            if event_type is h11.Data:
+                data = bytes(event.data)
+                self.body_bytes += len(data)
+                if self.body_bytes > limit:
+                    # Chunked body over the limit: the app sees the request vanish; the server
+                    # answers 413 if the app had not started a response.
+                    self.over_limit = True
+                    return {"type": "http.disconnect"}
+                chunks.append(data)
+            elif event_type is h11.EndOfMessage:
+                self.body_done = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            elif event is h11.NEED_DATA:
+                # Hand over what is buffered before blocking on the socket.
+                if chunks:
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": True}
+                data = await self.c.receive_bytes()
+                if not data:
+                    self.disconnected = True
+                    return {"type": "http.disconnect"}
+                conn.receive_data(data)
+            else:
+                self.disconnected = True
+                return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if self.disconnected or self.over_limit:
+            raise ClientDisconnected("client disconnected")
+        kind = message["type"]
+        if kind == "http.response.body":
+            if not self.started or self.complete:
+                raise RuntimeError("http.response.body outside a started, unfinished response")
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            conn = self.conn
+            if self.head_sent:
+                out = b""
+            else:
+                # The head goes out with the first body message (ASGI: not before), so a small
+                # response is one write. A single-message response gets a Content-Length;
+                # otherwise h11 picks chunked for HTTP/1.1 (or close-delimited for 1.0).
+                headers = self.headers
+                status = self.status
+                no_framing, no_date = _missing_headers(headers)
+                if (
+                    no_framing
+                    and not more
+                    and (body or not self.is_head)
+                    and status >= 200
+                    and status not in (204, 304)
+                ):
+                    headers.append((b"content-length", str(len(body)).encode("ascii")))
+                if no_date:
+                    headers.append((b"date", self.c.state.date_header()))
+                if self.c.state.draining:
+                    headers.append((b"connection", b"close"))
+                out = conn.send(h11.Response(status_code=status, headers=headers))
+                self.head_sent = True
+            if body and not self.is_head:
+                out += conn.send(h11.Data(data=body))
+            if not more:
+                out += conn.send(h11.EndOfMessage())
+                self.complete = True
+            if out:
+                await self._send_bytes(out)
+            return
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            self.started = True
+            self.status = message["status"]
+            self.headers = [(bytes(name), bytes(value)) for name, value in message.get("headers", ())]
+            return
+        raise RuntimeError(f"unexpected ASGI message type {kind!r}")
+
+    async def _send_bytes(self, data: bytes) -> None:
+        try:
+            await self.c.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.disconnected = True
+            raise ClientDisconnected("client disconnected") from exc
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+async def _accept_loop(
+    entry: _Listener,
+    app: ASGIApp,
+    limits: _Limits,
+    state: _ServerState,
+    connections: trio.Nursery,
+) -> None:
+    while True:
+        try:
+            stream = await entry.listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                raise
+            logger.error("accept() on %s failed (%s); retrying", entry.url, exc)
+            await trio.sleep(_ACCEPT_RETRY_S)
+            continue
+        connections.start_soon(_H11Connection(stream, app, limits, state, entry.server).run)
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _serve_h11(
+    app: ASGIApp,
+    binds: list[str],
+    *,
+    stop_accepting: trio.Event | None,
+    limits: _Limits,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    listeners = await _open_listeners(binds)
+    state = _ServerState()
+    try:
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as acceptors:
+                for entry in listeners:
+                    acceptors.start_soon(_accept_loop, entry, app, limits, state, connections)
+                if stop_accepting is not None:
+                    acceptors.start_soon(_cancel_when_set, stop_accepting, acceptors.cancel_scope)
+                task_status.started([entry.url for entry in listeners])
+            # Drain: refuse new connections, close idle ones, let in-flight requests finish.
+            await _close_listeners(listeners)
+            state.start_drain()
+    finally:
+        await _close_listeners(listeners)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hypercorn backend
+
+
+async def _lifespan_noop(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _send_plain(send: Send, status: int) -> None:
+    body = f"{status} {_reason(status)}\n".encode("ascii")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode("ascii")),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _HypercornAdapter:
+    """Gives hypercorn the h11 backend's contract: no lifespan reaches the app, the same head
+    limit (431), the same body limit (413 on a declared or streamed excess, http.disconnect to the
+    app for the latter) and ClientDisconnected from send() once the request is abandoned."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan_noop(receive, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        raw_target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        if _head_size(scope["method"].encode("ascii"), raw_target, scope["headers"]) > self.max_header_bytes:
+            await _send_plain(send, 431)
+            return
+        declared = _declared_length(scope["headers"])
+        if declared is not None and declared > limit:
+            await _send_plain(send, 413)
+            return
+        received = 0
+        over_limit = False
+        disconnected = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, over_limit, disconnected
+            if over_limit or disconnected:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over_limit = True
+                    return {"type": "http.disconnect"}
+            elif message["type"] == "http.disconnect":
+                disconnected = True
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            # hypercorn drops sends after a disconnect silently; the contract is to raise.
+            if over_limit or disconnected:
+                raise ClientDisconnected("client disconnected")
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception as exc:
+            if not ((over_limit or disconnected) and _only_disconnects(exc)):
+                raise
+        if over_limit and not started:
+            await _send_plain(send, 413)
+
+
+def _normalize_hypercorn_url(url: str) -> str:
+    # hypercorn reports a unix socket as "http://unix:/path".
+    _, _, rest = url.partition("://")
+    return rest if rest.startswith("unix:") else url
+
+
+async def _serve_hypercorn(
+    app: ASGIApp,
+    binds: list[str],
+    *,
+    stop_accepting: trio.Event | None,
+    limits: _Limits,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    for bind in binds:
+        parse_bind(bind)  # same accepted syntax as the h11 backend
     config = Config()
     config.bind = list(binds)
     config.accesslog = None
-    config.errorlog = None
-    await serve(app, config, task_status=task_status)
+    config.errorlog = logger
+    config.keep_alive_timeout = limits.keep_alive_s
+    config.h11_max_incomplete_size = limits.max_header_bytes
+    config.include_server_header = False
+    # The caller bounds the drain with move_on_after; hypercorn must not impose its own.
+    config.graceful_timeout = math.inf
+    shutdown_trigger = stop_accepting.wait if stop_accepting is not None else None
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(
+            partial(
+                serve,
+                _HypercornAdapter(app, limits.max_body_bytes, limits.max_header_bytes),
+                config,
+                shutdown_trigger=shutdown_trigger,
+                mode="asgi",
+            )
+        )
+        task_status.started([_normalize_hypercorn_url(url) for url in urls])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def serve_asgi(
+    app: ASGIApp,
+    binds: list[str],
+    *,
+    server: Literal["h11", "hypercorn"] = "h11",
+    stop_accepting: trio.Event | None = None,
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` (ASGI 3, http scopes only) on `binds` until cancelled or drained.
+
+    binds: "host:port", "[v6]:port" or "unix:/path". task_status.started() gets the bound
+    addresses once every listener accepts. stop_accepting: when set, stop accepting, let
+    in-flight requests finish, close idle connections, then return (bound it with
+    move_on_after). keep_alive_s is a per-connection policy, not a bound on this call: how long
+    a connection may wait for its next complete request head. max_body_bytes: larger bodies get
+    413 and never reach the app (declared Content-Length) or end in http.disconnect (chunked).
+    max_header_bytes: larger request heads get 431.
+    """
+    limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes)
+    if server == "h11":
+        await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status)
+    elif server == "hypercorn":
+        await _serve_hypercorn(
+            app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status
+        )
+    else:
+        raise ValueError(f"unknown HTTP server backend {server!r}")

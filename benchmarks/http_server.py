@@ -1,0 +1,357 @@
+"""Benchmark gridd's two ASGI serving backends: hypercorn's trio worker vs the h11 server.
+
+    .venv/bin/python benchmarks/http_server.py [--rounds 3] [--scale 1.0]
+
+The same tiny ASGI app is served by each backend in a child process (this script with --serve);
+the parent drives load over loopback with raw keep-alive sockets (a minimal HTTP/1.1 client, so
+the load generator costs as little as possible). With 2 or more cores the child is pinned to
+CPU 1 and the parent to CPU 0; load generator and server still share one machine.
+
+Figures are per round, then the median over rounds. Every phase is bounded by a request count and a time cap (PHASE_CAP_S); a phase that hits the
+cap is flagged "capped" in the table. Rounds alternate the backends to spread drift evenly.
+Last line: h11_vs_hypercorn_rps_ratio=<small GET req/s at concurrency 8, h11 / hypercorn>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+BACKENDS = ("h11", "hypercorn")
+PHASE_CAP_S = 60.0
+CHILD_START_CAP_S = 20.0
+CONNECT_CAP_S = 5.0
+SSE_CHUNKS = 50
+SSE_CHUNK = b"data: " + b"x" * 92 + b"\n\n"  # 100 bytes
+SMALL_BODY = b"hello, world\n"
+POST_BODY = b'{"model":"m","messages":[{"role":"user","content":"' + b"y" * 960 + b'"}]}'
+
+
+# ---------------------------------------------------------------------------------------------
+# Server side (child process)
+
+
+async def bench_app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    path = scope["path"]
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+    if path == "/sse":
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
+        # Like an SSE proxy: a task watches for the client leaving while chunks are sent.
+        async with trio.open_nursery() as nursery:
+
+            async def watch_disconnect():
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_disconnect)
+            for _ in range(SSE_CHUNKS):
+                await send({"type": "http.response.body", "body": SSE_CHUNK, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            nursery.cancel_scope.cancel()
+        return
+    payload = SMALL_BODY if path == "/small" else b'{"received":%d}' % len(body)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/plain" if path == "/small" else b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+def run_child(backend: str, cpu: int | None) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from gridd.httpserver import serve_asgi
+
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                lambda task_status: serve_asgi(
+                    bench_app, ["127.0.0.1:0"], server=backend, task_status=task_status
+                )
+            )
+            print(urls[0], flush=True)
+
+    trio.run(main)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load side (parent process)
+
+
+class Closed(Exception):
+    pass
+
+
+class RawConnection:
+    """Minimal HTTP/1.1 client: Content-Length or chunked responses, keep-alive."""
+
+    def __init__(self, stream: trio.SocketStream):
+        self.stream = stream
+        self.buf = bytearray()
+
+    async def _fill(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            raise Closed
+        self.buf += data
+
+    async def _head(self) -> tuple[int, dict[bytes, bytes]]:
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            await self._fill()
+        lines = bytes(self.buf[:end]).split(b"\r\n")
+        del self.buf[: end + 4]
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers
+
+    async def _line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                line = bytes(self.buf[:end])
+                del self.buf[: end + 2]
+                return line
+            await self._fill()
+
+    async def _exact(self, n: int) -> None:
+        while len(self.buf) < n:
+            await self._fill()
+        del self.buf[:n]
+
+    async def exchange(self, request: bytes) -> tuple[float, float, bool]:
+        """Send one request; (seconds to first body byte, seconds total, server asked to close)."""
+        start = time.perf_counter()
+        await self.stream.send_all(request)
+        status, headers = await self._head()
+        if status != 200:
+            raise RuntimeError(f"unexpected status {status}")
+        first = None
+        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            while True:
+                size = int((await self._line()).split(b";")[0], 16)
+                if size == 0:
+                    await self._line()
+                    break
+                await self._exact(size + 2)
+                if first is None:
+                    first = time.perf_counter()
+        else:
+            await self._exact(int(headers[b"content-length"]))
+            first = time.perf_counter()
+        end = time.perf_counter()
+        close = headers.get(b"connection", b"").lower() == b"close"
+        return (first or end) - start, end - start, close
+
+
+@dataclass
+class PhaseResult:
+    first_s: list[float] = field(default_factory=list)
+    total_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    capped: bool = False
+
+
+async def run_phase(host: str, port: int, request: bytes, concurrency: int, per_conn: int) -> PhaseResult:
+    result = PhaseResult()
+
+    async def worker():
+        done = 0
+        conn = None
+        while done < per_conn:
+            if conn is None:
+                with trio.fail_after(CONNECT_CAP_S):
+                    conn = RawConnection(await trio.open_tcp_stream(host, port))
+            first, total, close = await conn.exchange(request)
+            result.first_s.append(first)
+            result.total_s.append(total)
+            done += 1
+            if close:
+                await conn.stream.aclose()
+                conn = None
+        if conn is not None:
+            await conn.stream.aclose()
+
+    start = time.perf_counter()
+    with trio.move_on_after(PHASE_CAP_S) as scope:
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(worker)
+    result.wall_s = time.perf_counter() - start
+    result.capped = scope.cancelled_caught
+    return result
+
+
+def request_bytes(method: str, path: str, body: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\nUser-Agent: gridd-bench\r\n"
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+@dataclass(frozen=True)
+class Phase:
+    key: str
+    request: bytes
+    concurrency: int
+    per_conn: int
+
+
+def phases(scale: float) -> list[Phase]:
+    def n(count: int) -> int:
+        return max(10, int(count * scale))
+
+    return [
+        Phase("get_c1", request_bytes("GET", "/small"), 1, n(3000)),
+        Phase("get_c8", request_bytes("GET", "/small"), 8, n(1500)),
+        Phase("post1k_c8", request_bytes("POST", "/post", POST_BODY), 8, n(1000)),
+        Phase("sse_c1", request_bytes("GET", "/sse"), 1, n(300)),
+        Phase("sse_c8", request_bytes("GET", "/sse"), 8, n(100)),
+    ]
+
+
+def start_child(backend: str, cpu: int | None) -> tuple[subprocess.Popen, str, int]:
+    args = [sys.executable, os.path.abspath(__file__), "--serve", backend]
+    if cpu is not None:
+        args += ["--cpu", str(cpu)]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
+    if not ready:
+        stop_child(child)
+        raise RuntimeError(f"{backend} server did not start within {CHILD_START_CAP_S}s")
+    url = child.stdout.readline().strip()
+    hostport = url.removeprefix("http://")
+    host, _, port = hostport.rpartition(":")
+    return child, host, int(port)
+
+
+def stop_child(child: subprocess.Popen) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(timeout=5)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--serve", choices=BACKENDS)
+    parser.add_argument("--cpu", type=int)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    args = parser.parse_args()
+    if args.serve:
+        run_child(args.serve, args.cpu)
+        return
+
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpu = cpus[1] if len(cpus) >= 2 else None
+    if server_cpu is not None:
+        os.sched_setaffinity(0, {cpus[0]})
+    plan = phases(args.scale)
+    # results[backend][phase key] -> list of PhaseResult, one per round
+    results: dict[str, dict[str, list[PhaseResult]]] = {b: {p.key: [] for p in plan} for b in BACKENDS}
+    for round_no in range(args.rounds):
+        order = BACKENDS if round_no % 2 == 0 else tuple(reversed(BACKENDS))
+        for backend in order:
+            child, host, port = start_child(backend, server_cpu)
+            try:
+
+                async def drive(host=host, port=port, backend=backend):
+                    await run_phase(host, port, plan[1].request, 8, max(10, int(200 * args.scale)))  # warm-up
+                    for phase in plan:
+                        results[backend][phase.key].append(
+                            await run_phase(host, port, phase.request, phase.concurrency, phase.per_conn)
+                        )
+
+                trio.run(drive)
+            finally:
+                stop_child(child)
+            rates = " ".join(
+                f"{key}={len(runs[-1].total_s) / runs[-1].wall_s:.0f}/s"
+                for key, runs in results[backend].items()
+            )
+            print(f"round {round_no + 1}/{args.rounds} {backend}: {rates}", file=sys.stderr, flush=True)
+
+    print(
+        f"# {len(cpus)} CPUs; server pinned to CPU {server_cpu}, load generator to CPU {cpus[0]}; "
+        f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
+    )
+    print("| phase | metric | h11 | hypercorn | h11/hypercorn |")
+    print("|---|---|---|---|---|")
+    rps = {}
+    for phase in plan:
+        unit = "streams/s" if phase.key.startswith("sse") else "req/s"
+        metrics = [(unit, None, None)]
+        if phase.key.startswith("sse"):
+            metrics += [("TTFB p50 ms", "first_s", 0.5), ("TTFB p99 ms", "first_s", 0.99)]
+            metrics += [("total p50 ms", "total_s", 0.5), ("total p99 ms", "total_s", 0.99)]
+        else:
+            metrics += [("latency p50 ms", "total_s", 0.5), ("latency p99 ms", "total_s", 0.99)]
+        label = f"{phase.key} ({phase.concurrency} conn x {phase.per_conn})"
+        for name, source, q in metrics:
+            cells = []
+            values = []
+            for backend in BACKENDS:
+                runs = results[backend][phase.key]
+                # Each figure is computed per round, then the median over rounds is reported, so
+                # one round disturbed by the VM's neighbours does not set a tail percentile.
+                if q is None:
+                    value = statistics.median(len(r.total_s) / r.wall_s for r in runs)
+                    capped = " (capped)" if any(r.capped for r in runs) else ""
+                    cells.append(f"{value:.0f}{capped}")
+                else:
+                    value = statistics.median(pct(getattr(r, source), q) for r in runs)
+                    cells.append(f"{value:.2f}")
+                values.append(value)
+            print(f"| {label} | {name} | {cells[0]} | {cells[1]} | {values[0] / values[1]:.2f} |")
+            if q is None:
+                rps[phase.key] = tuple(values)
+    print(f"h11_vs_hypercorn_rps_ratio={rps['get_c8'][0] / rps['get_c8'][1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,648 @@
+"""gridd.httpserver on real loopback sockets, for both backends where the contract is shared."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from contextlib import asynccontextmanager
+
+import h11
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from gridd.httpserver import ClientDisconnected, parse_bind, serve_asgi
+
+BACKENDS = ["h11", "hypercorn"]
+BOUND_S = 5.0  # every wait on the server in these tests is bounded by this
+
+
+@asynccontextmanager
+async def serving(app, backend, binds=("127.0.0.1:0",), **kwargs):
+    async with trio.open_nursery() as nursery:
+
+        async def run(task_status):
+            await serve_asgi(app, list(binds), server=backend, task_status=task_status, **kwargs)
+
+        urls = await nursery.start(run)
+        yield urls
+        nursery.cancel_scope.cancel()
+
+
+def hostport(url):
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def read_body(receive):
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
+
+
+async def respond(send, status, body, headers=()):
+    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RawClient:
+    """A raw socket with h11 as the client-side parser, for what httpx won't send or show."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def connect(cls, url):
+        host, port = hostport(url)
+        with trio.fail_after(BOUND_S):
+            return cls(await trio.open_tcp_stream(host, port))
+
+    async def next_event(self):
+        with trio.fail_after(BOUND_S):
+            while True:
+                event = self.conn.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+                self.conn.receive_data(await self.stream.receive_some(65536))
+
+    async def response(self):
+        """(status, headers dict, body) of the next complete response."""
+        head = await self.next_event()
+        while type(head) is h11.InformationalResponse:
+            head = await self.next_event()
+        assert type(head) is h11.Response, head
+        body = b""
+        while True:
+            event = await self.next_event()
+            if type(event) is h11.EndOfMessage:
+                break
+            body += event.data
+        return head.status_code, dict(head.headers), body
+
+    async def recv_until_closed(self):
+        with trio.fail_after(BOUND_S):
+            data = b""
+            while chunk := await self.stream.receive_some(65536):
+                data += chunk
+            return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: bind parsing
+
+
+@pytest.mark.parametrize(
+    ("bind", "parsed"),
+    [
+        ("127.0.0.1:8080", ("tcp", "127.0.0.1", 8080)),
+        ("localhost:0", ("tcp", "localhost", 0)),
+        ("[::1]:443", ("tcp", "::1", 443)),
+        ("unix:/run/gridd/http.sock", ("unix", "/run/gridd/http.sock", 0)),
+    ],
+)
+def test_parse_bind_accepts(bind, parsed):
+    assert parse_bind(bind) == parsed
+
+
+@pytest.mark.parametrize("bind", ["", "8080", "host:", ":80", "host:http", "[::1:80", "unix:", "h:70000"])
+def test_parse_bind_rejects(bind):
+    with pytest.raises(ValueError):
+        parse_bind(bind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips and scope
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_get_and_post_round_trip_with_scope(backend):
+    scopes = []
+
+    async def app(scope, receive, send):
+        scopes.append(scope)
+        body = await read_body(receive)
+        await respond(send, 200, b"echo:" + body, [(b"content-type", b"text/plain")])
+
+    async with serving(app, backend) as urls:
+        host, port = hostport(urls[0])
+        async with httpx.AsyncClient() as client:
+            got = await client.get(f"{urls[0]}/v1/a%20b?x=1&y=2", headers={"X-Trace": "t1"})
+            posted = await client.post(f"{urls[0]}/v1/chat", content=b"hello body")
+
+    assert (got.status_code, got.text) == (200, "echo:")
+    assert (posted.status_code, posted.text) == (200, "echo:hello body")
+    scope = scopes[0]
+    assert scope["type"] == "http"
+    assert scope["http_version"] == "1.1"
+    assert scope["method"] == "GET"
+    assert scope["scheme"] == "http"
+    assert scope["path"] == "/v1/a b"
+    assert scope["raw_path"] == b"/v1/a%20b"
+    assert scope["query_string"] == b"x=1&y=2"
+    assert (b"x-trace", b"t1") in [tuple(h) for h in scope["headers"]]
+    assert scope["client"][0] == "127.0.0.1"
+    assert tuple(scope["server"]) == (host, port)
+    assert scopes[1]["method"] == "POST"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_keep_alive_reuses_the_connection(backend):
+    client_ports = []
+
+    async def app(scope, receive, send):
+        client_ports.append(scope["client"][1])
+        await read_body(receive)
+        await respond(send, 200, b"ok")
+
+    async with serving(app, backend) as urls:
+        async with httpx.AsyncClient() as client:
+            for _ in range(3):
+                assert (await client.get(urls[0])).status_code == 200
+
+    assert len(client_ports) == 3
+    assert len(set(client_ports)) == 1
+
+
+async def test_pipelined_requests_are_answered_in_order():
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await respond(send, 200, scope["path"].encode())
+
+    async with serving(app, "h11") as urls:
+        raw = await RawClient.connect(urls[0])
+        second_request = [
+            h11.Request(method="POST", target="/second", headers=[("Host", "x"), ("Content-Length", "3")]),
+            h11.Data(data=b"abc"),
+            h11.EndOfMessage(),
+        ]
+        first_bytes = raw.conn.send(h11.Request(method="GET", target="/first", headers=[("Host", "x")]))
+        first_bytes += raw.conn.send(h11.EndOfMessage())
+        second_bytes = b"POST /second HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+        await raw.stream.send_all(first_bytes + second_bytes)  # both requests in one write
+        first = await raw.response()
+        assert first[::2] == (200, b"/first")
+        # h11's client side sends one request at a time: replay the second (already on the wire)
+        # into its state machine so it parses the second response.
+        raw.conn.start_next_cycle()
+        for event in second_request:
+            raw.conn.send(event)
+        second = await raw.response()
+        assert second[::2] == (200, b"/second")
+        await raw.stream.aclose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_head_gets_headers_without_body(backend):
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await respond(send, 200, b"twelve bytes")
+
+    async with serving(app, backend) as urls:
+        async with httpx.AsyncClient() as client:
+            head = await client.head(urls[0])
+            get = await client.get(urls[0])
+    assert head.status_code == 200
+    assert head.content == b""
+    assert get.content == b"twelve bytes"
+    if backend == "h11":
+        assert head.headers["content-length"] == "12"
+
+
+async def test_expect_100_continue_is_answered_when_the_app_reads():
+    async def app(scope, receive, send):
+        body = await read_body(receive)
+        await respond(send, 200, b"got " + body)
+
+    async with serving(app, "h11") as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(
+            raw.conn.send(
+                h11.Request(
+                    method="POST",
+                    target="/",
+                    headers=[("Host", "x"), ("Content-Length", "4"), ("Expect", "100-continue")],
+                )
+            )
+        )
+        interim = await raw.next_event()
+        assert type(interim) is h11.InformationalResponse
+        assert interim.status_code == 100
+        await raw.stream.send_all(raw.conn.send(h11.Data(data=b"data")) + raw.conn.send(h11.EndOfMessage()))
+        status, _, body = await raw.response()
+        assert (status, body) == (200, b"got data")
+        await raw.stream.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming and disconnects
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_chunks_reach_the_client_one_by_one(backend):
+    client_saw_first = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+        # Only the client having read the first chunk lets the app go on: a buffering server
+        # would deadlock here and trip the fail_after below.
+        await client_saw_first.wait()
+        await send({"type": "http.response.body", "body": b"data: two\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async with serving(app, backend) as urls:
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(BOUND_S):
+                async with client.stream("GET", urls[0] + "/sse") as response:
+                    assert response.headers["transfer-encoding"] == "chunked"
+                    received = b""
+                    async for chunk in response.aiter_raw():
+                        received += chunk
+                        if received == b"data: one\n\n":
+                            client_saw_first.set()
+    assert client_saw_first.is_set()
+    assert received == b"data: one\n\ndata: two\n\n"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_client_disconnect_mid_stream_reaches_receive(backend):
+    disconnected = trio.Event()
+    first_sent = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+        first_sent.set()
+        message = await receive()
+        assert message["type"] == "http.disconnect"
+        disconnected.set()
+
+    async with serving(app, backend) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET /sse HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            await first_sent.wait()
+            assert await raw.stream.receive_some(65536)
+        await raw.stream.aclose()
+        with trio.fail_after(2.0):
+            await disconnected.wait()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_send_after_disconnect_raises_client_disconnected(backend):
+    outcome = []
+    done = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        assert (await receive())["type"] == "http.disconnect"
+        try:
+            await send({"type": "http.response.body", "body": b"y", "more_body": True})
+        except ClientDisconnected as exc:
+            outcome.append(exc)
+        done.set()
+
+    async with serving(app, backend) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            assert await raw.stream.receive_some(65536)
+        await raw.stream.aclose()
+        with trio.fail_after(BOUND_S):
+            await done.wait()
+    assert isinstance(outcome[0], OSError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and limits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_malformed_request_gets_400_and_server_keeps_serving(backend):
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await respond(send, 200, b"fine")
+
+    async with serving(app, backend) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+        data = await raw.recv_until_closed()
+        assert data.startswith(b"HTTP/1.1 400 ")
+        await raw.stream.aclose()
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(urls[0])).text == "fine"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_oversized_request_head_arriving_whole_is_431(backend):
+    calls = []
+
+    async def app(scope, receive, send):
+        calls.append(scope["path"])
+        await respond(send, 200, b"fine")
+
+    async with serving(app, backend, max_header_bytes=1024) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET /big HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4096 + b"\r\n\r\n")
+        data = await raw.recv_until_closed()
+        assert data.startswith(b"HTTP/1.1 431 ")
+        await raw.stream.aclose()
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(urls[0] + "/small", headers={"X-Small": "a" * 512})).text == "fine"
+    assert calls == ["/small"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_oversized_request_head_trickling_in_is_431(backend):
+    async def app(scope, receive, send):
+        await respond(send, 200, b"fine")
+
+    async with serving(app, backend, max_header_bytes=1024) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(8):  # never completes the head; each write adds 512 bytes
+            try:
+                await raw.stream.send_all(b"X-Pad: " + b"p" * 503 + b"\r\n")
+            except trio.BrokenResourceError:
+                break
+            await trio.sleep(0.01)
+        data = await raw.recv_until_closed()
+        assert data.startswith(b"HTTP/1.1 431 ")
+        await raw.stream.aclose()
+
+
+async def test_http_1_0_client_gets_a_close_delimited_stream():
+    async def app(scope, receive, send):
+        assert scope["http_version"] == "1.0"
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"one,", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two", "more_body": False})
+
+    async with serving(app, "h11") as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.0\r\n\r\n")
+        data = await raw.recv_until_closed()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert b"transfer-encoding" not in head.lower()
+        assert body == b"one,two"
+        await raw.stream.aclose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_declared_body_over_limit_is_413_without_calling_the_app(backend):
+    calls = []
+
+    async def app(scope, receive, send):
+        calls.append(scope["path"])
+        await read_body(receive)
+        await respond(send, 200, b"fine")
+
+    async with serving(app, backend, max_body_bytes=1024) as urls:
+        async with httpx.AsyncClient() as client:
+            refused = await client.post(urls[0] + "/big", content=b"z" * 4096)
+            accepted = await client.post(urls[0] + "/small", content=b"z" * 1024)
+    assert refused.status_code == 413
+    assert accepted.status_code == 200
+    assert calls == ["/small"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_chunked_body_over_limit_is_413_and_the_app_sees_disconnect(backend):
+    seen = []
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            seen.append(message["type"])
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+    async def upload():
+        for _ in range(8):
+            yield b"q" * 512
+
+    async with serving(app, backend, max_body_bytes=1024) as urls:
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(BOUND_S):
+                response = await client.post(urls[0], content=upload())
+    assert response.status_code == 413
+    assert seen[-1] == "http.disconnect"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_app_error_before_start_is_500_and_logged(backend, caplog):
+    async def app(scope, receive, send):
+        await read_body(receive)
+        if scope["path"] == "/boom":
+            raise RuntimeError("app failed on purpose")
+        await respond(send, 200, b"fine")
+
+    with caplog.at_level(logging.ERROR, logger="gridd.http"):
+        async with serving(app, backend) as urls:
+            async with httpx.AsyncClient() as client:
+                assert (await client.get(urls[0] + "/boom")).status_code == 500
+                assert (await client.get(urls[0] + "/ok")).text == "fine"
+    assert any(
+        r.name == "gridd.http" and r.exc_info and "on purpose" in str(r.exc_info[1]) for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_app_error_mid_response_closes_the_connection(backend):
+    async def app(scope, receive, send):
+        await read_body(receive)
+        if scope["path"] == "/boom":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"partial", "more_body": True})
+            raise RuntimeError("app failed mid-stream")
+        await respond(send, 200, b"fine")
+
+    async with serving(app, backend) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = await raw.recv_until_closed()
+        assert data.startswith(b"HTTP/1.1 200 ")
+        assert b"partial" in data
+        assert not data.endswith(b"0\r\n\r\n")  # no terminating chunk: the client sees truncation
+        await raw.stream.aclose()
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(urls[0] + "/ok")).text == "fine"
+
+
+async def test_app_returning_without_a_response_is_500():
+    async def app(scope, receive, send):
+        await read_body(receive)
+
+    async with serving(app, "h11") as urls:
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(urls[0])).status_code == 500
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_idle_keep_alive_connection_is_closed_after_keep_alive_s(backend):
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await respond(send, 200, b"fine")
+
+    async with serving(app, backend, keep_alive_s=0.2) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await raw.response()
+        assert status == 200
+        start = trio.current_time()
+        assert await raw.recv_until_closed() == b""
+        assert trio.current_time() - start < 2.0
+        await raw.stream.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Binds and readiness
+
+
+async def test_started_reports_bound_ports_for_port_zero():
+    async def app(scope, receive, send):
+        await respond(send, 200, b"fine")
+
+    async with serving(app, "h11", binds=("127.0.0.1:0", "[::1]:0")) as urls:
+        assert urls[0].startswith("http://127.0.0.1:")
+        assert urls[1].startswith("http://[::1]:")
+        assert all(hostport(url)[1] > 0 for url in urls)
+        async with httpx.AsyncClient() as client:
+            for url in urls:
+                assert (await client.get(url)).text == "fine"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_unix_socket_bind(backend):
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await respond(send, 200, b"over unix")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "http.sock")
+        async with serving(app, backend, binds=(f"unix:{path}",)) as urls:
+            assert urls == [f"unix:{path}"]
+            transport = httpx.AsyncHTTPTransport(uds=path)
+            async with httpx.AsyncClient(transport=transport) as client:
+                assert (await client.get("http://gridd/")).text == "over unix"
+        if backend == "h11":
+            assert not await trio.Path(path).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Drain
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_drain_finishes_in_flight_stream_and_closes_idle_connections(backend):
+    release = trio.Event()
+    first_sent = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        if scope["path"] != "/sse":
+            await respond(send, 200, b"fine")
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+        first_sent.set()
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"data: two\n\n", "more_body": False})
+
+    stop_accepting = trio.Event()
+    served = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def run(task_status):
+            # A long keep-alive: only drain can close the idle connection in time.
+            await serve_asgi(
+                app,
+                ["127.0.0.1:0"],
+                server=backend,
+                stop_accepting=stop_accepting,
+                keep_alive_s=60.0,
+                task_status=task_status,
+            )
+            served.set()
+
+        urls = await nursery.start(run)
+        idle = await RawClient.connect(urls[0])
+        await idle.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await idle.response())[0] == 200
+
+        streaming = await RawClient.connect(urls[0])
+        await streaming.stream.send_all(b"GET /sse HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            await first_sent.wait()
+
+        stop_accepting.set()
+        with trio.fail_after(BOUND_S):
+            assert await idle.recv_until_closed() == b""
+        assert not served.is_set()
+
+        release.set()
+        status, headers, body = await streaming.response()
+        assert (status, body) == (200, b"data: one\n\ndata: two\n\n")
+        with trio.fail_after(BOUND_S):
+            await served.wait()
+        for raw in (idle, streaming):
+            await raw.stream.aclose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_drain_refuses_new_connections_at_once(backend):
+    release = trio.Event()
+    in_flight = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        in_flight.set()
+        await release.wait()
+        await respond(send, 200, b"late but complete")
+
+    stop_accepting = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def run(task_status):
+            await serve_asgi(
+                app, ["127.0.0.1:0"], server=backend, stop_accepting=stop_accepting, task_status=task_status
+            )
+
+        urls = await nursery.start(run)
+        host, port = hostport(urls[0])
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            await in_flight.wait()
+
+        stop_accepting.set()
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(OSError), trio.fail_after(BOUND_S):
+            await trio.open_tcp_stream(host, port)
+
+        release.set()
+        status, headers, body = await raw.response()
+        assert (status, body) == (200, b"late but complete")
+        if backend == "h11":
+            assert headers[b"connection"] == b"close"  # drain also tells the client not to reuse
+        await raw.stream.aclose()
