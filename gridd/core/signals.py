@@ -62,24 +62,26 @@ LOAD_SAMPLES: frozenset[str] = frozenset({
 })
 
 
-def _histogram(name: str) -> tuple[str, str, str]:
-    return (f"{name}_bucket", f"{name}_sum", f"{name}_count")
+def _sum_count(name: str) -> tuple[str, str]:
+    return (f"{name}_sum", f"{name}_count")
 
 
-# Every sample the latency window (gridd.core.latency) reads. Kept here so the scraper
-# passes one set to the parser.
+# Every sample the latency window (gridd.core.latency) reads, and no more: a histogram
+# contributes only the series the window uses (TTFT buckets, success counts, TPOT sum and
+# count), so the parser skips the duration/TPOT bucket runs that make up most of a body.
+# Kept here so the scraper passes one set to the parser.
 _LATENCY_SAMPLES: frozenset[str] = frozenset({
-    *_histogram("llm_d_epp_request_ttft_seconds"),
-    *_histogram("llm_d_epp_request_duration_seconds"),
-    *_histogram("llm_d_epp_request_streaming_tpot_seconds"),
+    "llm_d_epp_request_ttft_seconds_bucket",
+    "llm_d_epp_request_duration_seconds_count",
+    *_sum_count("llm_d_epp_request_streaming_tpot_seconds"),
     "llm_d_epp_request_error_total",
-    *_histogram("inference_objective_request_duration_seconds"),
+    "inference_objective_request_duration_seconds_count",
     "inference_objective_request_error_total",
     "vllm:request_success_total",
-    *_histogram("vllm:time_to_first_token_seconds"),
-    *_histogram("vllm:request_time_per_output_token_seconds"),
-    *_histogram("vllm:inter_token_latency_seconds"),
-    *_histogram("vllm:time_per_output_token_seconds"),
+    "vllm:time_to_first_token_seconds_bucket",
+    *_sum_count("vllm:request_time_per_output_token_seconds"),
+    *_sum_count("vllm:inter_token_latency_seconds"),
+    *_sum_count("vllm:time_per_output_token_seconds"),
 })
 
 WANTED_SAMPLES: frozenset[str] = LOAD_SAMPLES | _LATENCY_SAMPLES
