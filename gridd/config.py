@@ -159,6 +159,8 @@ class TimingConfig(Base):
     scrape_concurrency: PositiveInt = 16
     body_cap_bytes: PositiveInt = 1024 * 1024
     gateway_poll_interval_s: Positive = 1.0
+    gateway_poll_budget_s: Positive = 2.0
+    """One gateway poll exchange (dial included) must finish within this."""
     peer_poll_interval_s: Positive = 5.0
     peer_poll_budget_s: Positive = 10.0
     signal_ttl_s: Positive = 20.0
@@ -365,6 +367,8 @@ def _check_semantics(cfg: Config) -> None:
             fail("providers", "providers are configured on the operator, not on a gateway")
         if cfg.peers:
             fail("peers", "peers are configured on the operator, not on a gateway")
+        if cfg.replica is None:
+            fail("replica", "a gateway needs its replica name (its certificate's SAN URI names it)")
     if cfg.role == "operator" and cfg.operator is not None:
         fail("operator", "only a gateway names an operator")
     seen: set[str] = set()

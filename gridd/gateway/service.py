@@ -1,32 +1,298 @@
-"""The gateway role: operator poller, scorer, feedback reporter, OpenAI front (DESIGN.md 4)."""
+"""The gateway role (DESIGN.md 4): operator poller, scorer, OpenAI front and forwarder.
+
+A gateway polls its own site's operator only while it is serving: the poller starts once
+the front accepts requests and stops when the front starts draining (DESIGN 5b). Each
+poll's answer goes into the pure store (gridd.core.store), which re-scores and swaps in
+the per-model snapshots the request path reads. One connection, to its operator, so live
+WAN connections are proportional to the operators, not to the gateways.
+"""
 
 from __future__ import annotations
 
+import logging
+import random
+import time
+from collections.abc import Callable
 from typing import Any
 
+import httpx
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from gridd.config import LoadedConfig
+from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer
+from gridd.config import Config, LoadedConfig
+from gridd.core.decisions import Decision
+from gridd.core.store import GatewayStore, excluded_reason
+from gridd.errors import GriddError
+from gridd.httpserver import serve_asgi
+from gridd.tls import TLSMaterial, check_tls_material
+from gridd.wire import PROTOCOL_VERSION, Batches, Error, Poll, ServingConfig
+
+log = logging.getLogger("gridd.gateway")
+
+
+class StagedGateway(msgspec.Struct, frozen=True):
+    loaded: LoadedConfig
+    tls: TLSMaterial | None
+
+
+def load_gateway_tls(loaded: LoadedConfig, wall: float) -> TLSMaterial | None:
+    cfg = loaded.config
+    if cfg.tls is None:
+        return None
+    return check_tls_material(
+        str(loaded.resolve(cfg.tls.cert)), str(loaded.resolve(cfg.tls.key)), str(loaded.resolve(cfg.tls.ca)),
+        now=wall, expected_site=cfg.site, expected_role="gateway", expected_trust_domain=cfg.trust_domain,
+        expected_replica=cfg.replica,
+    )
+
+
+class StoreRouter:
+    """The Router the front calls: the store's decision at trio's current time."""
+
+    def __init__(self, store: GatewayStore, rng: random.Random, serving: Callable[[], bool]) -> None:
+        self.store = store
+        self.rng = rng
+        self.site = store.site
+        self._serving = serving
+
+    def decide(self, model: str, *, pinned_site: str | None = None,
+               exclude: frozenset[tuple[str, str]] = frozenset()) -> Decision:
+        return self.store.decide(model, now=trio.current_time(), rng=self.rng, pinned_site=pinned_site,
+                                 exclude=exclude)
+
+    def models(self) -> list[str]:
+        return self.store.models()
+
+    def ready(self) -> bool:
+        return self._serving() and self.store.fresh(trio.current_time())
+
+
+class GatewayCollector(Collector):
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        svc = self.service
+        drops = CounterMetricFamily("grid_signals_ingest_dropped", "Batches not admitted, by reason.",
+                                    labels=["reason"])
+        for reason, count in sorted(svc.store.fences.drops().items()):
+            drops.add_metric([reason], count)
+        yield drops
+        polls = CounterMetricFamily("grid_gateway_polls", "Polls of the local operator by result.",
+                                    labels=["result"])
+        for result, count in sorted(svc.poll_results.items()):
+            polls.add_metric([result], count)
+        yield polls
+        now = trio.current_time()
+        labels = ["grid_site", "grid_provider", "model"]
+        rho = GaugeMetricFamily("grid_gateway_candidate_rho", "Recent worst saturation of a candidate.",
+                                labels=labels)
+        capacity = GaugeMetricFamily("grid_gateway_candidate_capacity", "Learned capacity bound (requests).",
+                                     labels=labels)
+        age = GaugeMetricFamily("grid_gateway_candidate_age_seconds", "Age of the candidate's reading.",
+                                labels=labels)
+        for cand in svc.store.candidates.values():
+            key = [cand.site, cand.provider, cand.model]
+            worst = cand.learner.recent_worst_rho(now)
+            if worst is not None:
+                rho.add_metric(key, worst)
+            capacity.add_metric(key, cand.learner.bound)
+            age.add_metric(key, cand.age_s(now))
+        yield from (rho, capacity, age)
+        shedding = GaugeMetricFamily("grid_gateway_model_shedding", "1 while the model sheds (429).",
+                                     labels=["model"])
+        for model, shed in svc.store.shed.items():
+            shedding.add_metric([model], 1.0 if svc.store.shedding_enabled and shed.shedding(now) else 0.0)
+        yield shedding
 
 
 class GatewayService:
-    def __init__(self, loaded: LoadedConfig, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        registry: CollectorRegistry,
+        *,
+        wall: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         self.loaded = loaded
         self.registry = registry
+        self.wall = wall
+        self.rng = rng or random.Random()
+        self._client = client
+        cfg = loaded.config
+        t, shedding = cfg.timings, cfg.availability.shedding
+        self.store = GatewayStore(
+            site=cfg.site, signal_ttl_s=t.signal_ttl_s, future_epoch_bound_s=t.future_epoch_bound_s,
+            capacity_floor=cfg.routing.capacity_floor, rho_smoothing=cfg.routing.rho_smoothing,
+            recent_window_s=cfg.routing.recent_window_s, shedding=shedding.enabled,
+            full_after_s=shedding.full_after_ms / 1000, room_after_s=shedding.room_after_ms / 1000,
+        )
+        self.router = StoreRouter(self.store, self.rng, lambda: self._serving)
+        self.tls: TLSMaterial | None = None
+        self.front_urls: list[str] = []
+        self.poll_results: dict[str, int] = {"ok": 0}
+        self.operator_state = "not polling"
+        self.last_poll_error: str | None = None
+        self._serving = False
+        self._stop_accepting = trio.Event()
+        self._front_done = trio.Event()
+        self._poller_scope: trio.CancelScope | None = None
+        self._poller_generation = 0
+        registry.register(GatewayCollector(self))
+
+    @property
+    def config(self) -> Config:
+        return self.loaded.config
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
+        self.tls = await trio.to_thread.run_sync(load_gateway_tls, self.loaded, self.wall())
+        if self.tls is None:
+            raise GriddError("a gateway needs tls (ca, cert, key) to poll its operator over mutual TLS",
+                             reason="config")
+        client = self._client or make_forward_client()
+        async with client, trio.open_nursery() as nursery:
+            if self.config.listen.http:
+                from gridd.gateway.front import make_front_app
 
-    async def stage(self, new: LoadedConfig) -> LoadedConfig:
-        return new
+                app = make_front_app(self.router, client, self.registry, rng=self.rng)
+                self.front_urls = await nursery.start(self._serve_front, app)
+            # Serving from here on: the poller runs only while the front accepts requests.
+            self._serving = True
+            nursery.start_soon(self._supervise_poller, name="operator-poller")
+            task_status.started()
+            await self._stop_accepting.wait()
+            await self._front_done.wait()
+            nursery.cancel_scope.cancel()
 
-    def commit(self, staged: LoadedConfig) -> None:
-        self.loaded = staged
+    async def _serve_front(self, app, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await serve_asgi(app, [self.config.listen.http], stop_accepting=self._stop_accepting,
+                             task_status=task_status)
+        finally:
+            self._front_done.set()
+
+    async def _supervise_poller(self) -> None:
+        """The poller runs under its own cancel scope, restarted when a reload changes the
+        operator URL or the TLS material; the store is never rebuilt."""
+        while self._serving:
+            generation = self._poller_generation
+            with trio.CancelScope() as scope:
+                self._poller_scope = scope
+                await self._poll_operator()
+            self._poller_scope = None
+            if generation == self._poller_generation and self._serving:
+                await trio.sleep(0)  # a poller ended on its own: restart it
+
+    async def _poll_operator(self) -> None:
+        cfg = self.config
+        assert cfg.operator is not None and self.tls is not None
+        expected = ExpectedPeer(cfg.trust_domain, cfg.site, "operator")
+        async with open_signals_dialer(cfg.operator.url, self.tls.client_context, expected,
+                                       rng=self.rng) as dialer:
+            self.operator_state = "connecting"
+            next_poll = trio.current_time()
+            while True:
+                await self._poll_once(dialer)
+                # Drift-free (STYLE 9): polls start one interval apart.
+                next_poll += self.config.timings.gateway_poll_interval_s
+                await trio.sleep_until(max(next_poll, trio.current_time()))
+
+    async def _poll_once(self, dialer) -> None:
+        t = self.config.timings
+        failure: str | None = "timeout"
+        detail = f"no answer within {t.gateway_poll_budget_s:g} s"
+        with trio.move_on_after(t.gateway_poll_budget_s):
+            try:
+                replies = await dialer.exchange(Poll(protocol=PROTOCOL_VERSION, sent_wall=self.wall()))
+                failure, detail = None, ""
+            except ChannelError as exc:
+                failure, detail = exc.reason, str(exc)
+        now = trio.current_time()
+        if failure is None:
+            for reply in replies:
+                if isinstance(reply, ServingConfig):
+                    self.store.set_serving(reply)
+                elif isinstance(reply, Batches):
+                    self.store.ingest(reply.batches, now=now, now_wall=self.wall())
+                elif isinstance(reply, Error):
+                    failure, detail = "refused", f"operator refused: {reply.reason}: {reply.detail}"
+        if failure is None:
+            self.poll_results["ok"] += 1
+            if self.operator_state != "up":
+                log.info("operator %s: polling", self.config.operator.url)
+            self.operator_state, self.last_poll_error = "up", None
+            return
+        self.poll_results[failure] = self.poll_results.get(failure, 0) + 1
+        if self.operator_state == "up" or self.last_poll_error is None:
+            log.warning("operator %s: poll failed (%s): %s", self.config.operator.url, failure, detail)
+        self.operator_state, self.last_poll_error = "down", f"{failure}: {detail}"
+        # Readings keep ageing while the operator is unreachable: re-score so stale sites
+        # sort last (loss of signal degrades to least preferred, not to idle).
+        self.store.rebuild(now)
+
+    async def stage(self, new: LoadedConfig) -> StagedGateway:
+        tls = await trio.to_thread.run_sync(load_gateway_tls, new, self.wall())
+        return StagedGateway(new, tls)
+
+    def commit(self, staged: StagedGateway) -> None:
+        old = self.config
+        self.loaded = staged.loaded
+        restart = staged.tls is not None and (
+            self.tls is None or staged.tls.fingerprint_sha256 != self.tls.fingerprint_sha256)
+        self.tls = staged.tls
+        if restart or old.operator != self.config.operator:
+            self._poller_generation += 1
+            if self._poller_scope is not None:
+                self._poller_scope.cancel()
+            log.info("operator poller restarted for the new config")
 
     async def drain(self) -> None:
-        return None
+        """Stop accepting, stop polling (a draining gateway holds no poll), let in-flight
+        requests finish; the daemon bounds this with drain_grace_s."""
+        self._serving = False
+        if self._poller_scope is not None:
+            self._poller_scope.cancel()
+        self.operator_state = "not polling (draining)"
+        self._stop_accepting.set()
+        await self._front_done.wait()
 
     def status(self) -> dict[str, Any]:
-        return {"operator": self.loaded.config.operator.url if self.loaded.config.operator else None}
+        now = trio.current_time()
+        store = self.store
+        candidates = []
+        for cand in sorted(store.candidates.values(), key=lambda c: (c.model, c.site, c.provider)):
+            b = cand.batch
+            candidates.append({
+                "model": cand.model, "site": cand.site, "provider": cand.provider,
+                "age_s": round(cand.age_s(now), 3), "ready": b.ready if b else None,
+                "excluded": excluded_reason(b) if b else "no_reading",
+                "rho": cand.learner.recent_worst_rho(now), "capacity": cand.learner.bound,
+            })
+        return {
+            "operator": self.config.operator.url if self.config.operator else None,
+            "operator_state": self.operator_state,
+            "last_poll_error": self.last_poll_error,
+            "front": self.front_urls,
+            "serving": self._serving,
+            "models": store.models(),
+            "shedding": sorted(m for m, s in store.shed.items() if store.shedding_enabled and s.shedding(now)),
+            "candidates": candidates,
+            "ingest_drops": store.fences.drops(),
+        }
+
+
+def make_forward_client() -> httpx.AsyncClient:
+    # Callers own timeouts (the front bounds connect, headers and idle gaps itself).
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30.0)
+    return httpx.AsyncClient(limits=limits, timeout=None, follow_redirects=False, http2=False)
