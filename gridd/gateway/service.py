@@ -192,7 +192,8 @@ class GatewayService:
                 await self._poll_operator()
             self._poller_scope = None
             if generation == self._poller_generation and self._serving:
-                await trio.sleep(0)  # a poller ended on its own: restart it
+                # a poller ended on its own: restart it, a poll interval later (no hot loop)
+                await trio.sleep(self.config.timings.gateway_poll_interval_s)
 
     async def _poll_operator(self) -> None:
         cfg = self.config

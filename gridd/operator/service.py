@@ -8,8 +8,12 @@ which the exporter, the signals server and gridctl read.
 from __future__ import annotations
 
 import logging
+import random
+import ssl
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -17,13 +21,25 @@ import msgspec
 import trio
 from prometheus_client import CollectorRegistry
 
-from gridd.config import Config, LoadedConfig, ProviderConfig
+from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
+from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import effective_stale_after_s
+from gridd.errors import ConfigError
 from gridd.operator.exporter import ProviderCollector
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
+from gridd.operator.signals import (
+    PeerLink,
+    PeerSupervisor,
+    SignalsEndpoint,
+    SignalsMetrics,
+    SignalsTLS,
+    channel_limits,
+    check_signals_config,
+    load_signals_tls,
+)
 from gridd.state import ProviderRevision, StateDir
 
 log = logging.getLogger("gridd.operator")
@@ -32,7 +48,7 @@ log = logging.getLogger("gridd.operator")
 class StagedOperator(msgspec.Struct, frozen=True):
     loaded: LoadedConfig
     revisions: dict[str, ProviderRevision]
-    tls: Any = None
+    tls: SignalsTLS | None = None
 
 
 def scrape_target(provider: ProviderConfig) -> ScrapeTarget | None:
@@ -55,6 +71,7 @@ class OperatorService:
         *,
         wall: Callable[[], float] = time.time,
         client: httpx.AsyncClient | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.loaded = loaded
         self.registry = registry
@@ -66,8 +83,16 @@ class OperatorService:
         self.publishers: dict[str, ProviderPublisher] = {}
         self.publisher_epoch: int | None = None
         self.pool: ScrapePool | None = None
-        self.tls = None
+        self.tls: SignalsTLS | None = None
+        self._rng = rng if rng is not None else random.Random()
         self._draining = False
+        self.signals_metrics = SignalsMetrics(registry)
+        self.signals_address: str | None = None
+        self.endpoint = SignalsEndpoint(config=lambda: self.config, holdings=self.holdings,
+                                        metrics=self.signals_metrics, wall=wall)
+        self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
+                                    timings=lambda: self.config.timings, wall=wall,
+                                    open_link=self._open_peer_link)
         registry.register(ProviderCollector(
             self.holdings,
             lambda: list(self.publishers.values()),
@@ -83,6 +108,9 @@ class OperatorService:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
+        check_signals_config(self.config)
+        self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
         revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
@@ -95,7 +123,28 @@ class OperatorService:
                                    body_cap=timings.body_cap_bytes, on_result=self._on_scrape)
             await nursery.start(self.pool.run, lambda: self.config.timings.scrape_interval_s,
                                 self._targets, name="scrape-pool")
+            cfg = self.config
+            if self.tls is not None and cfg.listen.signals is not None:
+                self.signals_address = await nursery.start(
+                    partial(serve_signals, cfg.listen.signals, self._server_context, self.endpoint.handle,
+                            limits=lambda: channel_limits(self.config.timings),
+                            on_refused=self.signals_metrics.count_refused),
+                    name="signals-server",
+                )
+                log.info("signals channel listening on %s", self.signals_address)
+            if self.tls is not None:
+                await nursery.start(self.peers.run, cfg.peers, name="peer-pollers")
             task_status.started()
+
+    def _server_context(self) -> ssl.SSLContext:
+        assert self.tls is not None
+        return self.tls.material.server_context
+
+    def _open_peer_link(self, peer: PeerConfig) -> AbstractAsyncContextManager[PeerLink]:
+        # The TLS material current when the poller (re)starts; a rotation restarts it.
+        assert self.tls is not None
+        expected = ExpectedPeer(self.config.trust_domain, peer.site, "operator")
+        return open_signals_dialer(peer.url, self.tls.material.client_context, expected, rng=self._rng)
 
     def _targets(self) -> list[ScrapeTarget]:
         if self._draining:
@@ -151,13 +200,32 @@ class OperatorService:
                                      pool=pool, queue_full_at=queue_full_at)
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
+        cfg, old = new.config, self.config
+        check_signals_config(cfg)
+        if cfg.listen.signals != old.listen.signals:
+            raise ConfigError("listen.signals: changed; restart gridd to apply")
+        if (cfg.tls is None) != (old.tls is None):
+            raise ConfigError("tls: added or removed; restart gridd to apply")
+        # A bad certificate/key/CA rejects the reload; the old material keeps serving.
+        tls = await trio.to_thread.run_sync(load_signals_tls, new, self.wall())
         # Provider revisions are persisted here, last, once everything else checked out.
         revisions = await trio.to_thread.run_sync(self.state.sync_providers, new.config.providers)
-        return StagedOperator(new, revisions)
+        return StagedOperator(new, revisions, tls)
 
     def commit(self, staged: StagedOperator) -> None:
+        old = self.config
         self.loaded = staged.loaded
         self._apply_providers(staged.revisions)
+        # New connections use the new contexts (the server reads them per connection);
+        # pollers restart only when the material or the trust domain changed.
+        rotated = (staged.tls is not None and self.tls is not None
+                   and staged.tls.files_sha256 != self.tls.files_sha256)
+        restart_all = rotated or old.trust_domain != self.config.trust_domain
+        self.tls = staged.tls
+        if self.peers.running:
+            started = self.peers.update(self.config.peers, restart_all=restart_all)
+            if started:
+                log.info("peer pollers (re)started: %s", ", ".join(site for site, _ in started))
 
     async def drain(self) -> None:
         # Stop producing: the next pass scrapes nothing. Peers and gateways keep polling
@@ -198,4 +266,10 @@ class OperatorService:
             "last_pass_s": None if self.pool is None or self.pool.last_pass_s is None else round(self.pool.last_pass_s, 4),
             "providers": providers,
             "held_readings": len(self.holdings),
+            "signals": {
+                "listen": self.signals_address,
+                "connections": dict(self.endpoint.open_connections),
+                "tls_not_after": None if self.tls is None else self.tls.material.not_after,
+            },
+            "peers": self.peers.status(),
         }

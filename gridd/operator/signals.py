@@ -1,0 +1,547 @@
+"""The operator's signals channel: who may connect and what each is sent, and the peer pollers.
+
+Server side (``SignalsEndpoint.handle``, one call per authenticated connection):
+
+    peer operator   another site's operator (same trust domain) listed in ``peers``:
+                    Poll -> Batches with this operator's OWN site's batches only.
+    own gateway     a gateway of this operator's own site:
+                    Poll -> ServingConfig (first poll, then whenever it changed),
+                            Batches with every site's batches;
+                    FeedbackReport -> FeedbackAck(status="not_implemented").
+    anyone else     Error(reason="identity" | "forbidden"), then close.
+
+    Authorization is by the verified certificate identity and is re-checked on every
+    message, so a reload that removes a peer refuses its next poll on an open connection.
+    Batches leave whole: revision metadata untouched, age increased by the holding time
+    (gridd.core.holdings.Holdings.relay).
+
+Peer pollers (``PeerSupervisor``): one task per configured peer, each under its own
+cancel scope in a map keyed by the peer's (site, url) (STYLE 7). Every
+peer_poll_interval_s, start to start (trio.sleep_until), one exchange bounded by
+peer_poll_budget_s over a persistent connection (gridd.channel.SignalsDialer); each batch
+passes the admission fences before it may touch the holdings. A reload restarts only the
+pollers whose (site, url) changed, or all of them when the TLS material changed; the
+holdings and fences are shared and never rebuilt.
+
+docs/signals-channel.md is the long form, with every timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, Literal, Protocol
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry, Counter
+
+from gridd.channel import ChannelError, ChannelLimits, SignalsSession, parse_signals_url
+from gridd.config import Config, LoadedConfig, PeerConfig, TimingConfig
+from gridd.core.admission import AdmissionFences, Outcome
+from gridd.core.holdings import Holdings
+from gridd.errors import ConfigError
+from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material
+from gridd.wire import (
+    PROTOCOL_VERSION,
+    Batch,
+    Batches,
+    Cursor,
+    Error,
+    FeedbackAck,
+    FeedbackReport,
+    LocalProvider,
+    Message,
+    Poll,
+    ServingConfig,
+    SiteIngress,
+    SourceKey,
+    protocol_refusal,
+)
+
+log = logging.getLogger("gridd.operator.signals")
+
+# grid_signals_connections_refused_total{reason}: the channel's own refusals (tls,
+# handshake, identity before any message) and the operator's (identity, forbidden,
+# protocol, decode after the WebSocket opened).
+REFUSAL_REASONS: Final = ("tls", "handshake", "identity", "forbidden", "protocol", "decode")
+
+# How often peer readings older than the signal TTL are dropped from the holdings, so a
+# dead peer's series leave /metrics within TTL + this.
+EXPIRE_EVERY_S: Final = 1.0
+
+# The answer to a feedback report until the feedback intake exists: a defined status
+# that the gateway's reporter counts as not accepted (DESIGN 5b).
+FEEDBACK_NOT_IMPLEMENTED: Final = "not_implemented"
+
+PeerRole = Literal["peer", "gateway"]
+
+
+# --- metrics ------------------------------------------------------------------------
+
+
+class SignalsMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refused = Counter(
+            "grid_signals_connections_refused",
+            "Signals-channel connections refused, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)
+
+    def count_refused(self, reason: str) -> None:
+        self.refused.labels(reason if reason in REFUSAL_REASONS else "protocol").inc()
+
+
+# --- config checks and TLS material -------------------------------------------------
+
+
+def check_signals_config(cfg: Config) -> None:
+    """Rules of the signals channel a config must meet; ConfigError names the path."""
+    if cfg.listen.signals is not None and cfg.tls is None:
+        raise ConfigError("listen.signals: the signals channel is mutual TLS only; configure tls")
+    if cfg.peers and cfg.tls is None:
+        raise ConfigError("peers: polling peer operators needs tls (mutual TLS)")
+    for i, peer in enumerate(cfg.peers):
+        try:
+            parse_signals_url(peer.url)
+        except ChannelError:
+            raise ConfigError(f"peers[{i}].url: expected a wss://host:port/path URL, got {peer.url!r}") from None
+
+
+def channel_limits(timings: TimingConfig) -> ChannelLimits:
+    """The server's per-connection policy: idle after 3x the longest poll interval."""
+    longest = max(timings.peer_poll_interval_s, timings.gateway_poll_interval_s)
+    return ChannelLimits(idle_s=3.0 * longest)
+
+
+class SignalsTLS(msgspec.Struct, frozen=True):
+    """Checked TLS material plus a digest of the three files, to tell a rotation apart."""
+
+    material: TLSMaterial
+    files_sha256: str
+
+
+def load_signals_tls(loaded: LoadedConfig, now_wall: float) -> SignalsTLS | None:
+    """Check the configured TLS material as an operator's (blocking; run in a thread)."""
+    cfg = loaded.config
+    if cfg.tls is None:
+        return None
+    cert, key, ca = (str(loaded.resolve(p)) for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca))
+    material = check_tls_material(cert, key, ca, now=now_wall, expected_site=cfg.site,
+                                  expected_role="operator", expected_trust_domain=cfg.trust_domain)
+    digest = hashlib.sha256()
+    for path in (cert, key, ca):
+        try:
+            with open(path, "rb") as f:
+                digest.update(hashlib.sha256(f.read()).digest())
+        except OSError as exc:
+            raise TLSMaterialError(f"{path}: cannot read: {exc.strerror}", reason="unreadable", path=path) from exc
+    return SignalsTLS(material, digest.hexdigest())
+
+
+# --- server side --------------------------------------------------------------------
+
+
+def serving_config_for(cfg: Config) -> ServingConfig:
+    """What this operator's gateways need to forward: local providers and every ingress.
+
+    Credentials: "bearer" carries api_key (the gateway sends Authorization: Bearer);
+    "header" puts ``header_name: api_key`` into ``headers``, which the gateway sends
+    verbatim along with the custom headers. Disabled providers are left out.
+    """
+    providers = []
+    for p in cfg.providers:
+        if not p.enabled:
+            continue
+        auth = p.settings.auth
+        headers = dict(auth.custom_headers)
+        api_key = None
+        if auth.scheme == "bearer" and auth.api_key:
+            api_key = auth.api_key
+        elif auth.scheme == "header" and auth.api_key:
+            headers[auth.header_name] = auth.api_key
+        providers.append(LocalProvider(
+            provider=p.name, model=p.model, endpoint_url=p.settings.endpoint, auth_scheme=auth.scheme,
+            api_key=api_key, headers=headers, timeout_s=p.settings.timeout,
+        ))
+    ingresses = [SiteIngress(peer.site, peer.ingress) for peer in cfg.peers if peer.ingress]
+    if cfg.ingress:
+        ingresses.append(SiteIngress(cfg.site, cfg.ingress))
+    return ServingConfig(providers=tuple(providers), ingresses=tuple(ingresses))
+
+
+def classify(identity: PeerIdentity, cfg: Config) -> PeerRole | Error:
+    """Who a verified client is to this operator, or the Error that refuses it.
+
+    Decided: an operator of a site not listed in ``peers`` is refused (forbidden): a
+    site's batches go only to the peers its operator was configured to trust, and the
+    relationship is mutual by configuration. So is an operator naming this operator's own
+    site (a twin or a stolen name; never a peer) and a gateway of any other site (DESIGN 2:
+    gateways talk only to their own site's operator; local credentials stay local).
+    """
+    if identity.trust_domain != cfg.trust_domain:
+        return Error("identity", f"{identity.uri} is outside trust domain {cfg.trust_domain!r}")
+    if identity.role == "gateway":
+        if identity.site == cfg.site:
+            return "gateway"
+        return Error("forbidden", f"gateway of site {identity.site!r} may only poll its own site's operator")
+    if identity.site == cfg.site:
+        return Error("forbidden", f"operator of this operator's own site {cfg.site!r} is not a peer")
+    if all(peer.site != identity.site for peer in cfg.peers):
+        return Error("forbidden", f"site {identity.site!r} is not a configured peer of site {cfg.site!r}")
+    return "peer"
+
+
+def _apply_cursors(batches: tuple[Batch, ...], cursors: tuple[Cursor, ...]) -> tuple[tuple[Batch, ...], tuple[SourceKey, ...]]:
+    """Leave out the batches the poller already holds (same epoch and sequence)."""
+    if not cursors:
+        return batches, ()
+    held = {(c.site, c.provider): (c.publisher_epoch, c.batch_sequence) for c in cursors}
+    sent: list[Batch] = []
+    unchanged: list[SourceKey] = []
+    for b in batches:
+        r = b.revision
+        if r is not None and held.get((b.site, b.provider)) == (r.publisher_epoch, r.batch_sequence):
+            unchanged.append(SourceKey(b.site, b.provider))
+        else:
+            sent.append(b)
+    return tuple(sent), tuple(unchanged)
+
+
+class SignalsEndpoint:
+    """The handler serve_signals runs for every connection to this operator."""
+
+    def __init__(
+        self,
+        *,
+        config: Callable[[], Config],
+        holdings: Holdings,
+        metrics: SignalsMetrics,
+        wall: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.holdings = holdings
+        self.metrics = metrics
+        self.wall = wall
+        self.open_connections: dict[PeerRole, int] = {"peer": 0, "gateway": 0}
+
+    async def _refuse(self, session: SignalsSession, error: Error, *, counted_as: str | None = None) -> None:
+        reason = counted_as or error.reason
+        log.info("signals: refusing %s (%s): %s", session.where, reason, error.detail)
+        self.metrics.count_refused(reason)
+        try:
+            await session.send(error)
+        except ChannelError:
+            pass  # gone already; the refusal is counted either way
+
+    async def handle(self, session: SignalsSession) -> None:
+        verdict = classify(session.identity, self.config())
+        if isinstance(verdict, Error):
+            await self._refuse(session, verdict)
+            return
+        role: PeerRole = verdict
+        self.open_connections[role] += 1
+        try:
+            await self._serve(session, role)
+        except ChannelError as exc:
+            # The client went away mid-reply; nothing to answer.
+            log.debug("signals: %s: %s", session.where, exc)
+        finally:
+            self.open_connections[role] -= 1
+
+    async def _serve(self, session: SignalsSession, role: PeerRole) -> None:
+        sent_config: ServingConfig | None = None
+        while True:
+            try:
+                msg: Message = await session.receive()
+            except ChannelError as exc:
+                if exc.reason == "decode":
+                    await self._refuse(session, Error("decode", str(exc)))
+                return  # closed or lost: the client dials again when it wants to
+            cfg = self.config()
+            # Re-checked per message: a committed reload may have removed this peer.
+            verdict = classify(session.identity, cfg)
+            if isinstance(verdict, Error):
+                await self._refuse(session, verdict)
+                return
+            match msg:
+                case Poll(protocol=protocol, cursors=cursors):
+                    refusal = protocol_refusal(protocol)
+                    if refusal is not None:
+                        await self._refuse(session, refusal)
+                        return
+                    now = trio.current_time()
+                    if role == "gateway":
+                        serving = serving_config_for(cfg)
+                        if serving != sent_config:
+                            await session.send(serving)
+                            sent_config = serving
+                        held = self.holdings.relay(now)
+                    else:
+                        # A peer operator gets only this site's own batches: it polls
+                        # every other site directly and attributes each to its identity.
+                        held = self.holdings.relay(now, site=cfg.site)
+                    batches, unchanged = _apply_cursors(held, cursors)
+                    await session.send(Batches(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
+                                               batches=batches, unchanged=unchanged))
+                case FeedbackReport(reporter_epoch=epoch, sequence=sequence) if role == "gateway":
+                    await session.send(FeedbackAck(reporter_epoch=epoch, sequence=sequence,
+                                                   status=FEEDBACK_NOT_IMPLEMENTED,
+                                                   detail="this operator does not take feedback reports yet"))
+                case FeedbackReport():
+                    await self._refuse(session, Error("forbidden", "only this site's gateways send feedback"))
+                    return
+                case _:
+                    await self._refuse(session, Error("unexpected", f"{type(msg).__name__} is not a request"),
+                                       counted_as="protocol")
+                    return
+
+
+# --- peer pollers -------------------------------------------------------------------
+
+
+class PeerLink(Protocol):
+    """What a poller needs from its connection (gridd.channel.SignalsDialer in the daemon)."""
+
+    identity: PeerIdentity | None
+    connections_opened: int
+
+    async def exchange(self, msg: Poll) -> list[Message]: ...
+
+
+PeerState = Literal["unknown", "up", "down"]
+
+
+class PeerPoller:
+    """Polls one peer operator; admits what it sends. Status for gridctl.
+
+    state: "unknown" until the first poll ends, then "up" or "down"; a change is logged
+    once (not every failed poll).
+    """
+
+    def __init__(
+        self,
+        peer: PeerConfig,
+        *,
+        fences: AdmissionFences,
+        holdings: Holdings,
+        timings: Callable[[], TimingConfig],
+        wall: Callable[[], float],
+    ) -> None:
+        self.peer = peer
+        self.fences = fences
+        self.holdings = holdings
+        self.timings = timings
+        self.wall = wall
+        self.link: PeerLink | None = None
+        self.state: PeerState = "unknown"
+        self.last_success_at: float | None = None
+        self.last_error: str | None = None
+        self.last_error_detail = ""
+        self.polls = 0
+        self.failures = 0
+        self.admitted = {"accepted": 0, "repeat": 0, "dropped": 0}
+
+    async def run(self, link: PeerLink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.link = link
+        task_status.started()
+        next_at = trio.current_time()
+        while True:
+            await self.poll_once()
+            # Drift-free (STYLE 9): the schedule advances from the previous start, so the
+            # interval is start to start. An exchange that overran it (the budget may be
+            # longer than the interval) skips the ticks it missed and stays on the grid.
+            interval = self.timings().peer_poll_interval_s
+            next_at += interval
+            now = trio.current_time()
+            if next_at < now:
+                next_at += math.ceil((now - next_at) / interval) * interval
+            await trio.sleep_until(next_at)
+
+    async def poll_once(self) -> None:
+        assert self.link is not None
+        budget_s = self.timings().peer_poll_budget_s
+        self.polls += 1
+        replies: list[Message] | None = None
+        # The caller owns the timeout (STYLE 3): one budget covers any re-dial, the TLS
+        # and WebSocket handshakes and the exchange itself.
+        with trio.move_on_after(budget_s):
+            try:
+                replies = await self.link.exchange(Poll(protocol=PROTOCOL_VERSION, sent_wall=self.wall()))
+            except ChannelError as exc:
+                if exc.reason == "decode":
+                    self.fences.note_decode_error()
+                self._failed(exc.reason, str(exc))
+                return
+        if replies is None:
+            self._failed("timeout", f"no answer within the {budget_s:g} s poll budget")
+            return
+        answer = replies[-1] if replies else None
+        if not isinstance(answer, Batches):
+            self._failed("protocol", f"poll answered with {type(answer).__name__}")
+            return
+        self._admit(answer.batches)
+        self._succeeded()
+
+    def _admit(self, batches: tuple[Batch, ...]) -> None:
+        # The dialer required the server's verified certificate to name this peer's
+        # site (ExpectedPeer), so that is the site its batches may claim.
+        identity = self.link.identity if self.link is not None else None
+        verified_site = identity.site if identity is not None else self.peer.site
+        now, now_wall = trio.current_time(), self.wall()
+        for batch in batches:
+            verdict = self.fences.admit(batch, now_wall=now_wall, verified_site=verified_site)
+            if verdict.outcome is Outcome.ACCEPTED:
+                self.holdings.hold(batch, now)
+                self.admitted["accepted"] += 1
+            elif verdict.outcome is Outcome.REPEAT:
+                # Spec: a repeat leaves the held reading's age unchanged: not re-held.
+                self.admitted["repeat"] += 1
+            else:
+                self.admitted["dropped"] += 1
+                log.debug("peer %s: batch %s/%s dropped (%s): %s", self.peer.site, batch.site,
+                          batch.provider, verdict.reason, verdict.detail)
+
+    def _succeeded(self) -> None:
+        self.last_success_at = trio.current_time()
+        self.last_error, self.last_error_detail = None, ""
+        if self.state != "up":
+            log.info("peer %s (%s) is up", self.peer.site, self.peer.url)
+        self.state = "up"
+
+    def _failed(self, reason: str, detail: str) -> None:
+        self.failures += 1
+        # Logged on a change only: going down, or staying down for another reason (say
+        # unreachable, then reachable with the wrong certificate), never per failed poll.
+        if self.state != "down":
+            log.warning("peer %s (%s) is down (%s): %s", self.peer.site, self.peer.url, reason, detail)
+        elif reason != self.last_error:
+            log.warning("peer %s (%s) is still down, now (%s): %s", self.peer.site, self.peer.url, reason, detail)
+        self.last_error, self.last_error_detail = reason, detail
+        self.state = "down"
+
+    def status(self, now: float) -> dict[str, Any]:
+        link = self.link
+        return {
+            "site": self.peer.site,
+            "url": self.peer.url,
+            "state": self.state,
+            "last_success_age_s": None if self.last_success_at is None else round(now - self.last_success_at, 3),
+            "last_error": self.last_error,
+            "last_error_detail": self.last_error_detail,
+            "connections": link.connections_opened if link is not None else 0,
+            "polls": self.polls,
+            "failures": self.failures,
+            "batches": dict(self.admitted),
+        }
+
+
+class PeerTask:
+    """One supervised poller: its peer, its cancel scope, its state."""
+
+    __slots__ = ("peer", "scope", "poller")
+
+    def __init__(self, peer: PeerConfig, poller: PeerPoller) -> None:
+        self.peer = peer
+        self.scope = trio.CancelScope()
+        self.poller = poller
+
+
+OpenLink = Callable[[PeerConfig], AbstractAsyncContextManager[PeerLink]]
+
+
+class PeerSupervisor:
+    """The peer pollers of one operator, keyed by (site, url), plus the TTL expiry task."""
+
+    def __init__(
+        self,
+        *,
+        own_site: str,
+        fences: AdmissionFences,
+        holdings: Holdings,
+        timings: Callable[[], TimingConfig],
+        wall: Callable[[], float],
+        open_link: OpenLink,
+    ) -> None:
+        self.own_site = own_site
+        self.fences = fences
+        self.holdings = holdings
+        self.timings = timings
+        self.wall = wall
+        self.open_link = open_link
+        self.tasks: dict[tuple[str, str], PeerTask] = {}
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._nursery is not None
+
+    async def run(self, peers: list[PeerConfig], *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                self.update(peers)
+                nursery.start_soon(self._expire_loop, name="signals-expiry")
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def update(self, peers: list[PeerConfig], *, restart_all: bool = False) -> list[tuple[str, str]]:
+        """Diff the configured peers against the running pollers (STYLE 7): stop the
+        removed, start the new, keep the unchanged (a changed ingress only updates the
+        record). restart_all: new TLS material, so every connection is redone.
+        Returns the keys started."""
+        assert self._nursery is not None, "update() before run()"
+        wanted = {(p.site, p.url): p for p in peers}
+        for key, task in list(self.tasks.items()):
+            if restart_all or key not in wanted:
+                task.scope.cancel()
+                del self.tasks[key]
+        started = []
+        for key, peer in wanted.items():
+            task = self.tasks.get(key)
+            if task is not None:
+                task.peer = task.poller.peer = peer
+                continue
+            task = self.tasks[key] = PeerTask(peer, PeerPoller(
+                peer, fences=self.fences, holdings=self.holdings, timings=self.timings, wall=self.wall))
+            self._nursery.start_soon(self._run_peer, task, name=f"peer-poller-{peer.site}")
+            started.append(key)
+        return started
+
+    async def _run_peer(self, task: PeerTask) -> None:
+        with task.scope:
+            while True:
+                try:
+                    async with self.open_link(task.peer) as link:
+                        await task.poller.run(link)
+                except Exception:
+                    # A bug in one poller must not stop the others; it starts over.
+                    log.exception("peer %s: poller failed; restarting it", task.peer.site)
+                    await trio.sleep(self.timings().peer_poll_interval_s)
+
+    async def _expire_loop(self) -> None:
+        # A series the operator does not hold is absent, not 0 (spec): a silent peer's
+        # readings leave once older than the signal TTL. The own site is kept (its
+        # batches refresh every scrape pass and its failures travel as verdicts).
+        next_at = trio.current_time()
+        while True:
+            ttl = self.timings().signal_ttl_s
+            gone = self.holdings.expire(trio.current_time(), ttl, keep_site=self.own_site)
+            if gone:
+                log.info("dropped %d readings older than the %g s signal TTL: %s", len(gone), ttl,
+                         ", ".join(f"{site}/{provider}" for site, provider in gone))
+            next_at += EXPIRE_EVERY_S
+            await trio.sleep_until(next_at)
+
+    def status(self) -> list[dict[str, Any]]:
+        now = trio.current_time()
+        return [task.poller.status(now) for task in self.tasks.values()]

@@ -1,0 +1,382 @@
+"""Peer pollers on trio's MockClock: schedule, budget, isolation, admission, reload, expiry.
+
+The pollers get a fake link (no sockets) through the supervisor's injected ``open_link``,
+so every timing rule is asserted exactly in virtual time (STYLE 12, 13). The last tests
+wire the same supervisor through OperatorService with real TLS files (real clock, no
+timing assertions).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+from prometheus_client import CollectorRegistry
+
+from gridd import certs
+from gridd.channel import ChannelError
+from gridd.config import PeerConfig, TimingConfig, load_config
+from gridd.core.admission import AdmissionFences
+from gridd.core.holdings import Holdings
+from gridd.core.readings import Revision
+from gridd.errors import ConfigError
+from gridd.operator.service import OperatorService
+from gridd.operator.signals import PeerSupervisor
+from gridd.tls import PeerIdentity, TLSMaterialError
+from gridd.wire import PROTOCOL_VERSION, Batch, Batches, Message, Poll
+
+TD = "grid.local"
+WALL0 = 1_700_000_000.0  # the receiver's wall clock at trio time 0
+
+PEER_B = PeerConfig(site="b", url="wss://127.0.0.1:9001/signals")
+PEER_C = PeerConfig(site="c", url="wss://127.0.0.1:9002/signals")
+
+
+def batch(site: str = "b", provider: str = "m", *, epoch: int = 1_699_999_000, seq: int = 1,
+          age_s: float = 0.0) -> Batch:
+    return Batch(site=site, provider=provider, model="m", published_ms=int(epoch * 1000) + seq, age_s=age_s,
+                 revision=Revision("uid", 1, epoch, seq, 0), complete=False, ready=True)
+
+
+class FakeLink:
+    """A peer that answers each poll from a script; None = never answers (hangs)."""
+
+    def __init__(self, site: str, answer: Callable[[int], object]) -> None:
+        self.identity = PeerIdentity(TD, site, "operator")
+        self.connections_opened = 1
+        self.answer = answer
+        self.started_at: list[float] = []
+
+    async def exchange(self, msg: Poll) -> list[Message]:
+        assert msg.protocol == PROTOCOL_VERSION
+        self.started_at.append(trio.current_time())
+        result = self.answer(len(self.started_at) - 1)
+        if isinstance(result, Exception):
+            raise result
+        if result is None:
+            await trio.sleep_forever()
+        delay, batches = result if isinstance(result, tuple) else (0.0, result)
+        await trio.sleep(delay)
+        return [Batches(protocol=PROTOCOL_VERSION, sent_wall=0.0, batches=tuple(batches))]
+
+
+class Harness:
+    def __init__(self, timings: TimingConfig | None = None, *, own_site: str = "a") -> None:
+        self.timings = timings or TimingConfig()
+        self.holdings = Holdings()
+        self.fences = AdmissionFences(future_epoch_bound_s=self.timings.future_epoch_bound_s)
+        self.links: dict[tuple[str, str], list[FakeLink]] = {}
+        self.scripts: dict[str, Callable[[int], object]] = {}
+        self.supervisor = PeerSupervisor(
+            own_site=own_site, fences=self.fences, holdings=self.holdings, timings=lambda: self.timings,
+            wall=lambda: WALL0 + trio.current_time(), open_link=self.open_link)
+
+    @asynccontextmanager
+    async def open_link(self, peer: PeerConfig):
+        link = FakeLink(peer.site, self.scripts.get(peer.site, lambda n: []))
+        self.links.setdefault((peer.site, peer.url), []).append(link)
+        yield link
+
+    def link(self, peer: PeerConfig, index: int = -1) -> FakeLink:
+        return self.links[(peer.site, peer.url)][index]
+
+    def drops(self, reason: str) -> int:
+        return self.fences.drops()[reason]
+
+
+async def start(nursery: trio.Nursery, harness: Harness, peers: list[PeerConfig]) -> None:
+    await nursery.start(harness.supervisor.run, peers)
+
+
+# --- schedule and budget -----------------------------------------------------------------
+
+
+async def test_polls_every_interval_start_to_start(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: (1.25, [])  # each exchange takes 1.25 s: no drift from it
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(20.5)
+    assert h.link(PEER_B).started_at == [0.0, 5.0, 10.0, 15.0, 20.0]
+
+
+async def test_budget_bounds_a_hanging_peer_and_the_schedule_stays_on_the_grid(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: None  # never answers
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(9.9)
+    [status] = h.supervisor.status()
+    assert status["state"] == "unknown"
+    await trio.sleep(0.2)  # t = 10.1: the 10 s budget expired at t = 10
+    [status] = h.supervisor.status()
+    assert status["state"] == "down" and status["last_error"] == "timeout"
+    await trio.sleep(20.0)
+    # The tick at 5 s fell inside the first exchange's budget and was skipped.
+    assert h.link(PEER_B).started_at == [0.0, 10.0, 20.0, 30.0]
+
+
+async def test_one_hanging_peer_does_not_delay_another(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: None
+    h.scripts["c"] = lambda n: [batch("c", seq=n + 1)]
+    await start(nursery, h, [PEER_B, PEER_C])
+    await trio.sleep(15.5)
+    assert h.link(PEER_C).started_at == [0.0, 5.0, 10.0, 15.0]
+    assert h.holdings.get("c", "m").batch.revision.batch_sequence == 4
+    states = {s["site"]: s["state"] for s in h.supervisor.status()}
+    assert states == {"b": "down", "c": "up"}
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+async def test_accepted_batches_are_held_with_their_age(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: [batch(age_s=1.5)]
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(0.1)
+    held = h.holdings.get("b", "m")
+    assert held is not None and held.held_since == 0.0
+    assert held.age_s(trio.current_time()) == pytest.approx(1.6)
+    assert h.supervisor.status()[0]["batches"] == {"accepted": 1, "repeat": 0, "dropped": 0}
+
+
+async def test_a_repeat_leaves_the_held_age_unchanged(autojump_clock, nursery):
+    h = Harness()
+    # The same publication every poll, relayed with a growing age.
+    h.scripts["b"] = lambda n: [batch(age_s=1.0 + 5.0 * n)]
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(10.5)
+    held = h.holdings.get("b", "m")
+    assert held.held_since == 0.0 and held.batch.age_s == 1.0  # the first delivery, not re-held
+    assert held.age_s(trio.current_time()) == pytest.approx(11.5)
+    assert h.supervisor.status()[0]["batches"] == {"accepted": 1, "repeat": 2, "dropped": 0}
+    assert sum(h.fences.drops().values()) == 0  # a repeat is not a drop
+
+
+async def test_skewed_epoch_is_dropped_and_counted(autojump_clock, nursery):
+    h = Harness()
+    ahead = int(WALL0) + 601  # more than the 600 s bound ahead of the receiver's wall clock
+    h.scripts["b"] = lambda n: [batch(epoch=ahead), batch(provider="ok")]
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(0.1)
+    assert h.holdings.get("b", "m") is None
+    assert h.holdings.get("b", "ok") is not None
+    assert h.drops("skew") == 1
+    assert [e.publisher_epoch for e in h.fences.skew_evidence()] == [ahead]
+
+
+async def test_a_peer_claiming_another_sites_batches_is_dropped(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: [batch(site="c"), batch(site="a"), batch(site="b")]
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(0.1)
+    assert h.drops("identity") == 2
+    assert [held.batch.site for held, _ in h.holdings.latest()] == ["b"]
+
+
+async def test_an_older_sequence_is_dropped_as_stale(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: [batch(seq=[5, 3][min(n, 1)])]
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(5.1)
+    assert h.drops("stale_order") == 1
+    assert h.holdings.get("b", "m").batch.revision.batch_sequence == 5
+
+
+async def test_decode_errors_are_counted_as_ingest_drops(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: ChannelError("undecodable frame", reason="decode")
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(5.1)
+    assert h.drops("decode") == 2
+    assert h.supervisor.status()[0]["last_error"] == "decode"
+
+
+# --- state changes and status -----------------------------------------------------------------
+
+
+async def test_state_changes_are_logged_once(autojump_clock, nursery, caplog):
+    caplog.set_level(logging.INFO, logger="gridd.operator.signals")
+    h = Harness()
+    # Up, then refused three times running, then up again.
+    h.scripts["b"] = lambda n: ChannelError("refused (forbidden)", reason="refused") if 1 <= n <= 3 else []
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(25.1)
+    lines = [r.getMessage() for r in caplog.records if "peer b" in r.getMessage()]
+    assert len(lines) == 3
+    assert "is up" in lines[0] and "is down (refused)" in lines[1] and "is up" in lines[2]
+    [status] = h.supervisor.status()
+    assert status["state"] == "up" and status["failures"] == 3 and status["polls"] == 6
+    assert status["last_success_age_s"] == pytest.approx(0.1)
+    assert status["last_error"] is None and status["connections"] == 1
+
+
+async def test_a_new_failure_reason_while_down_is_logged_once(autojump_clock, nursery, caplog):
+    caplog.set_level(logging.INFO, logger="gridd.operator.signals")
+    h = Harness()
+    reasons = ["connect", "connect", "identity", "identity", "identity"]
+    h.scripts["b"] = lambda n: ChannelError("no", reason=reasons[min(n, 4)])
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(20.1)
+    lines = [r.getMessage() for r in caplog.records if "peer b" in r.getMessage()]
+    assert len(lines) == 2
+    assert "is down (connect)" in lines[0] and "still down, now (identity)" in lines[1]
+
+
+# --- reload -------------------------------------------------------------------------------------
+
+
+async def test_reload_restarts_only_the_changed_poller(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: [batch("b", seq=n + 1)]
+    h.scripts["c"] = lambda n: [batch("c", seq=n + 1)]
+    await start(nursery, h, [PEER_B, PEER_C])
+    await trio.sleep(7.0)
+    task_b = h.supervisor.tasks[("b", PEER_B.url)]
+    old_c = h.supervisor.tasks[("c", PEER_C.url)]
+    moved_c = PeerConfig(site="c", url="wss://127.0.0.1:9003/signals")
+    b_with_ingress = PeerConfig(site="b", url=PEER_B.url, ingress="http://127.0.0.1:8001")
+
+    started = h.supervisor.update([b_with_ingress, moved_c])
+    assert started == [("c", moved_c.url)]
+    assert h.supervisor.tasks[("b", PEER_B.url)] is task_b
+    assert not task_b.scope.cancel_called and task_b.peer.ingress == "http://127.0.0.1:8001"
+    assert old_c.scope.cancel_called and ("c", PEER_C.url) not in h.supervisor.tasks
+    await trio.sleep(5.5)  # t = 12.5
+    # b kept its schedule and its link (no re-dial); the new c started at once.
+    assert h.link(PEER_B).started_at == [0.0, 5.0, 10.0] and len(h.links[("b", PEER_B.url)]) == 1
+    assert h.link(moved_c).started_at == [7.0, 12.0]  # its own schedule, from its start
+    # Shared state survived: c's fence and holdings carried over, so the new poller's
+    # first batch (sequence 1 again) is behind the fence.
+    assert h.holdings.get("c", "m").batch.revision.batch_sequence == 2
+    assert h.drops("stale_order") == 1
+
+
+async def test_new_tls_material_restarts_every_poller(autojump_clock, nursery):
+    h = Harness()
+    await start(nursery, h, [PEER_B, PEER_C])
+    await trio.sleep(1.0)
+    before = dict(h.supervisor.tasks)
+    assert h.supervisor.update([PEER_B, PEER_C], restart_all=True) == [("b", PEER_B.url), ("c", PEER_C.url)]
+    assert all(task.scope.cancel_called for task in before.values())
+    assert all(h.supervisor.tasks[key] is not task for key, task in before.items())
+    await trio.sleep(0.1)
+    assert len(h.links[("b", PEER_B.url)]) == 2 and len(h.links[("c", PEER_C.url)]) == 2
+
+
+async def test_removed_peer_stops_polling(autojump_clock, nursery):
+    h = Harness()
+    await start(nursery, h, [PEER_B, PEER_C])
+    await trio.sleep(1.0)
+    h.supervisor.update([PEER_B])
+    await trio.sleep(10.0)
+    assert h.link(PEER_C).started_at == [0.0]
+    assert [s["site"] for s in h.supervisor.status()] == ["b"]
+
+
+# --- expiry -------------------------------------------------------------------------------------
+
+
+async def test_a_silent_peers_readings_expire_after_the_ttl(autojump_clock, nursery):
+    h = Harness()
+    h.scripts["b"] = lambda n: [batch(age_s=2.0)] if n == 0 else ChannelError("lost", reason="connect")
+    h.holdings.hold(batch(site="a", provider="own"), 0.0)  # the operator's own site is never expired
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(18.0 - 0.01)  # age 2 + 18 - 0.01 < 20 s TTL
+    assert h.holdings.get("b", "m") is not None
+    await trio.sleep(1.02)  # the next expiry pass after the age passed 20 s
+    assert h.holdings.get("b", "m") is None
+    assert h.holdings.get("a", "own") is not None
+
+
+# --- OperatorService wiring (real TLS files, real clock) ---------------------------------------
+
+OPERATOR_CONFIG = """
+role: operator
+site: a
+state_dir: state
+tls: {{ca: certs/ca.pem, cert: certs/{cert}.pem, key: certs/{key}-key.pem}}
+listen: {{signals: "127.0.0.1:0"}}
+peers:
+{peers}
+timings: {{peer_poll_interval_s: 5, peer_poll_budget_s: 10}}
+"""
+
+
+def write_certs(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = certs.create_ca(TD, now=time.time(), days=2)
+    (directory / "ca.pem").write_bytes(certs.certificate_pem(ca_cert))
+    for name, identity in (("a-operator", PeerIdentity(TD, "a", "operator")),
+                           ("a-operator-2", PeerIdentity(TD, "a", "operator")),
+                           ("b-operator", PeerIdentity(TD, "b", "operator"))):
+        cert, key = certs.issue_certificate(ca_cert, ca_key, identity, now=time.time(), days=1)
+        (directory / f"{name}.pem").write_bytes(certs.certificate_pem(cert))
+        (directory / f"{name}-key.pem").write_bytes(certs.private_key_pem(key))
+
+
+def operator_config(tmp_path: Path, *, cert: str = "a-operator", key: str | None = None,
+                    peers: tuple[PeerConfig, ...] = (PEER_B, PEER_C), name: str = "a.yaml"):
+    lines = "\n".join(f"  - {{site: {p.site}, url: \"{p.url}\"}}" for p in peers) or "  []"
+    path = tmp_path / name
+    path.write_text(OPERATOR_CONFIG.format(cert=cert, key=key or cert, peers=lines))
+    return load_config(path, env={})
+
+
+async def test_operator_refuses_to_start_with_mismatched_tls(tmp_path):
+    write_certs(tmp_path / "certs")
+    service = OperatorService(operator_config(tmp_path, cert="b-operator"), CollectorRegistry())
+    with pytest.raises(TLSMaterialError, match="does not match expected site 'a'"):
+        await service.run()
+
+
+async def test_operator_refuses_signals_without_tls(tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text('role: operator\nsite: a\nstate_dir: state\nlisten: {signals: "127.0.0.1:0"}\n')
+    with pytest.raises(ConfigError, match="listen.signals: the signals channel is mutual TLS only"):
+        await OperatorService(load_config(path, env={}), CollectorRegistry()).run()
+
+
+async def test_reload_swaps_tls_and_restarts_only_what_changed(tmp_path, nursery):
+    write_certs(tmp_path / "certs")
+    service = OperatorService(operator_config(tmp_path), CollectorRegistry())
+    await nursery.start(service.run)
+    assert service.signals_address is not None and service.signals_address.startswith("127.0.0.1:")
+    first = dict(service.peers.tasks)
+    old_tls = service.tls
+
+    # A key that does not match its certificate: the reload is rejected, nothing changes.
+    with pytest.raises(TLSMaterialError) as err:
+        await service.stage(operator_config(tmp_path, cert="a-operator", key="a-operator-2", name="bad.yaml"))
+    assert err.value.reason == "key_mismatch"
+    assert service.tls is old_tls and service.peers.tasks == first
+
+    # Only peer c moves: only its poller restarts.
+    moved_c = PeerConfig(site="c", url="wss://127.0.0.1:9003/signals")
+    service.commit(await service.stage(operator_config(tmp_path, peers=(PEER_B, moved_c), name="moved.yaml")))
+    assert service.peers.tasks[("b", PEER_B.url)] is first[("b", PEER_B.url)]
+    assert first[("c", PEER_C.url)].scope.cancel_called
+    assert ("c", moved_c.url) in service.peers.tasks
+
+    # Rotated certificate: new contexts for new connections, every poller restarted.
+    before = dict(service.peers.tasks)
+    service.commit(await service.stage(operator_config(tmp_path, cert="a-operator-2", peers=(PEER_B, moved_c),
+                                                       name="rotated.yaml")))
+    assert service.tls is not old_tls
+    assert service._server_context() is service.tls.material.server_context
+    assert all(task.scope.cancel_called for task in before.values())
+
+    # Moving the listener needs a restart.
+    with pytest.raises(ConfigError, match="listen.signals: changed"):
+        text = (tmp_path / "rotated.yaml").read_text().replace("127.0.0.1:0", "127.0.0.1:1")
+        (tmp_path / "listen.yaml").write_text(text)
+        await service.stage(load_config(tmp_path / "listen.yaml", env={}))
+
+    peers = {p["site"]: p for p in service.status()["peers"]}
+    assert set(peers) == {"b", "c"} and peers["c"]["url"] == moved_c.url
+    assert service.status()["signals"]["listen"] == service.signals_address
