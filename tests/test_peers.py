@@ -287,9 +287,10 @@ async def test_a_silent_peers_readings_expire_after_the_ttl(autojump_clock, nurs
     h.scripts["b"] = lambda n: [batch(age_s=2.0)] if n == 0 else ChannelError("lost", reason="connect")
     h.holdings.hold(batch(site="a", provider="own"), 0.0)  # the operator's own site is never expired
     await start(nursery, h, [PEER_B])
-    await trio.sleep(18.0 - 0.01)  # age 2 + 18 - 0.01 < 20 s TTL
+    # Relayed (stale) until 2 x the 20 s TTL: age 2 + 38 - 0.01 < 40 s
+    await trio.sleep(38.0 - 0.01)
     assert h.holdings.get("b", "m") is not None
-    await trio.sleep(1.02)  # the next expiry pass after the age passed 20 s
+    await trio.sleep(1.02)  # the next expiry pass after the age passed 40 s
     assert h.holdings.get("b", "m") is None
     assert h.holdings.get("a", "own") is not None
 

@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -122,12 +123,16 @@ class GatewayService:
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         client: httpx.AsyncClient | None = None,
+        open_operator_link: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> None:
+        """open_operator_link: the connection to the operator (tests pass an in-memory one);
+        by default a SignalsDialer over mutual TLS to ``operator.url``."""
         self.loaded = loaded
         self.registry = registry
         self.wall = wall
         self.rng = rng or random.Random()
         self._client = client
+        self._open_operator_link = open_operator_link or self._dial_operator
         cfg = loaded.config
         t, shedding = cfg.timings, cfg.availability.shedding
         self.store = GatewayStore(
@@ -195,12 +200,15 @@ class GatewayService:
                 # a poller ended on its own: restart it, a poll interval later (no hot loop)
                 await trio.sleep(self.config.timings.gateway_poll_interval_s)
 
-    async def _poll_operator(self) -> None:
+    def _dial_operator(self) -> AbstractAsyncContextManager[Any]:
         cfg = self.config
         assert cfg.operator is not None and self.tls is not None
+        # The operator must be our own site's: its verified certificate names it.
         expected = ExpectedPeer(cfg.trust_domain, cfg.site, "operator")
-        async with open_signals_dialer(cfg.operator.url, self.tls.client_context, expected,
-                                       rng=self.rng) as dialer:
+        return open_signals_dialer(cfg.operator.url, self.tls.client_context, expected, rng=self.rng)
+
+    async def _poll_operator(self) -> None:
+        async with self._open_operator_link() as dialer:
             self.operator_state = "connecting"
             next_poll = trio.current_time()
             while True:

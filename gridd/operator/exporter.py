@@ -26,12 +26,17 @@ class ProviderCollector(Collector):
         now: Callable[[], float],
         last_pass_s: Callable[[], float | None],
         ingest_drops: Callable[[], dict[str, int]] | None = None,
+        *,
+        own_site: str | None = None,
+        signal_ttl_s: Callable[[], float] = lambda: 20.0,
     ) -> None:
         self.holdings = holdings
         self.publishers = publishers
         self.now = now
         self.last_pass_s = last_pass_s
         self.ingest_drops = ingest_drops
+        self.own_site = own_site
+        self.signal_ttl_s = signal_ttl_s
 
     def describe(self):
         return []
@@ -60,8 +65,11 @@ class ProviderCollector(Collector):
         age = GaugeMetricFamily("grid_provider_sample_age_seconds",
                                 "Age of the held reading (relays add their holding time).", labels=LABELS)
         now = self.now()
+        ttl = self.signal_ttl_s()
         for held, qualified in self.holdings.latest():
             b = held.batch
+            if b.site != self.own_site and held.age_s(now) > ttl:
+                continue  # a peer's reading past the TTL: relayed as stale, not exported
             labels = [b.site, b.provider]
             age.add_metric(labels, held.age_s(now))
             if b.ready is not None:

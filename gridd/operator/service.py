@@ -72,6 +72,7 @@ class OperatorService:
         wall: Callable[[], float] = time.time,
         client: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
+        open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PeerLink]] | None = None,
     ) -> None:
         self.loaded = loaded
         self.registry = registry
@@ -92,13 +93,15 @@ class OperatorService:
                                         metrics=self.signals_metrics, wall=wall)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
                                     timings=lambda: self.config.timings, wall=wall,
-                                    open_link=self._open_peer_link)
+                                    open_link=open_peer_link or self._open_peer_link)
         registry.register(ProviderCollector(
             self.holdings,
             lambda: list(self.publishers.values()),
             trio.current_time,
             lambda: self.pool.last_pass_s if self.pool is not None else None,
             self.fences.drops,
+            own_site=loaded.config.site,
+            signal_ttl_s=lambda: self.config.timings.signal_ttl_s,
         ))
 
     @property

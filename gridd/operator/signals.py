@@ -72,6 +72,8 @@ REFUSAL_REASONS: Final = ("tls", "handshake", "identity", "forbidden", "protocol
 # How often peer readings older than the signal TTL are dropped from the holdings, so a
 # dead peer's series leave /metrics within TTL + this.
 EXPIRE_EVERY_S: Final = 1.0
+RELAY_RETENTION_TTLS = 2.0
+"""A peer's reading is relayed (stale) until this many signal TTLs old, then forgotten."""
 
 # The answer to a feedback report until the feedback intake exists: a defined status
 # that the gateway's reporter counts as not accepted (DESIGN 5b).
@@ -529,15 +531,19 @@ class PeerSupervisor:
                     await trio.sleep(self.timings().peer_poll_interval_s)
 
     async def _expire_loop(self) -> None:
-        # A series the operator does not hold is absent, not 0 (spec): a silent peer's
-        # readings leave once older than the signal TTL. The own site is kept (its
-        # batches refresh every scrape pass and its failures travel as verdicts).
+        # A silent peer's readings are still relayed, ageing, for RELAY_RETENTION_TTLS x the
+        # signal TTL: gateways then hold them as stale and sort that site last (loss of
+        # signal degrades to least preferred, not to idle) instead of losing it at the very
+        # moment it goes stale. /metrics stops showing them at the TTL itself (a series the
+        # operator does not hold fresh is absent, not 0: see the exporter). The own site is
+        # kept (its batches refresh every pass and its failures travel as verdicts).
         next_at = trio.current_time()
         while True:
             ttl = self.timings().signal_ttl_s
-            gone = self.holdings.expire(trio.current_time(), ttl, keep_site=self.own_site)
+            gone = self.holdings.expire(trio.current_time(), ttl * RELAY_RETENTION_TTLS, keep_site=self.own_site)
             if gone:
-                log.info("dropped %d readings older than the %g s signal TTL: %s", len(gone), ttl,
+                log.info("dropped %d readings older than %g s (%g x the signal TTL): %s", len(gone),
+                         ttl * RELAY_RETENTION_TTLS, RELAY_RETENTION_TTLS,
                          ", ".join(f"{site}/{provider}" for site, provider in gone))
             next_at += EXPIRE_EVERY_S
             await trio.sleep_until(next_at)
