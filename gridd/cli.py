@@ -183,6 +183,30 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    if not rows:
+        return []
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return [""] + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+
+
+def _provider_row(p: dict[str, Any]) -> list[Any]:
+    latency = p.get("latency") or {}
+    ttft = "-"
+    if latency.get("ttft_p50_s") is not None:
+        ttft = f"{latency['ttft_p50_s']:.3f}/{_fmt(latency.get('ttft_p90_s'), '.3f')}"
+    kv = "-" if p.get("kv_mean") is None else f"{p['kv_mean']:.2f}±{_fmt(p.get('kv_spread'), '.2f')}"
+    ready = {True: "yes", False: "NO", None: "unknown"}[p.get("ready")]
+    return [p["name"], ready, p.get("reason", "-"), _fmt(p.get("ready_endpoints")), _fmt(p.get("in_flight"), ".1f"),
+            kv, ttft, _fmt(latency.get("error_ratio"), ".3f"), _secs(p.get("scrape_age_s")) + " ago",
+            _fmt(p.get("failure_class"))]
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"role        {s['role']}",
@@ -202,26 +226,23 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"metrics     {', '.join(s['metrics'])}")
     lines.append(f"tasks       {', '.join(s['tasks'])}")
     role = s.get("role_status") or {}
-    providers = role.get("providers")
-    if isinstance(providers, list) and providers and isinstance(providers[0], dict):
-        lines.append("")
-        header = ["PROVIDER", "READY", "REASON", "ENDPOINTS", "IN-FLIGHT", "KV", "TTFT p50/p90", "ERR",
-                  "SCRAPED", "FAILURE"]
-        rows = [header]
-        for p in providers:
-            latency = p.get("latency") or {}
-            ttft = "-"
-            if latency.get("ttft_p50_s") is not None:
-                ttft = f"{latency['ttft_p50_s']:.3f}/{_fmt(latency.get('ttft_p90_s'), '.3f')}"
-            kv = "-" if p.get("kv_mean") is None else f"{p['kv_mean']:.2f}±{_fmt(p.get('kv_spread'), '.2f')}"
-            ready = {True: "yes", False: "NO", None: "unknown"}[p.get("ready")]
-            age = "-" if p.get("scrape_age_s") is None else f"{p['scrape_age_s']:.1f}s ago"
-            rows.append([p["name"], ready, p.get("reason", "-"), _fmt(p.get("ready_endpoints")),
-                         _fmt(p.get("in_flight"), ".1f"), kv, ttft, _fmt(latency.get("error_ratio"), ".3f"),
-                         age, _fmt(p.get("failure_class"))])
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-        lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    elif role:
-        for key, value in role.items():
-            lines.append(f"{key:<11} {value}")
+    if s["role"] == "operator":
+        lines.append(f"epoch       {role.get('publisher_epoch')}  (stale after {role.get('stale_after_s')} s, "
+                     f"last pass {role.get('last_pass_s')} s)")
+        lines += _table(["PROVIDER", "READY", "REASON", "ENDPOINTS", "IN-FLIGHT", "KV", "TTFT p50/p90", "ERR",
+                         "SCRAPED", "FAILURE"], [_provider_row(p) for p in role.get("providers", [])])
+        lines += _table(["PEER", "STATE", "LAST OK", "ERROR", "POLLS", "FAILURES", "URL"], [
+            [p["site"], p["state"], _secs(p.get("last_success_age_s")), _fmt(p.get("last_error")),
+             p.get("polls", 0), p.get("failures", 0), p["url"]] for p in role.get("peers", [])])
+    else:
+        lines.append(f"operator    {role.get('operator')}  ({role.get('operator_state')}"
+                     + (f": {role['last_poll_error']}" if role.get("last_poll_error") else "") + ")")
+        lines.append(f"front       {', '.join(role.get('front') or []) or '-'}")
+        lines.append(f"models      {', '.join(role.get('models') or []) or '-'}")
+        if role.get("shedding"):
+            lines.append(f"shedding    {', '.join(role['shedding'])}")
+        lines += _table(["MODEL", "SITE", "PROVIDER", "AGE", "READY", "EXCLUDED", "RHO", "CAPACITY"], [
+            [c["model"], c["site"], c["provider"], _secs(c.get("age_s")),
+             {True: "yes", False: "NO", None: "unknown"}[c.get("ready")], _fmt(c.get("excluded")),
+             _fmt(c.get("rho"), ".2f"), _fmt(c.get("capacity"), ".1f")] for c in role.get("candidates", [])])
     return "\n".join(lines)
