@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import pathlib
 import signal
 import subprocess
@@ -111,12 +113,13 @@ def main(argv: list[str]) -> int:
     (ws / "logs").mkdir(exist_ok=True)
     from gridd.certs import main as certs_main
 
-    if not (ws / "certs" / "ca.pem").exists() and certs_main(["init", str(ws / "certs")]) != 0:
-        return 1
-    for site in ("a", "b"):
-        for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
-            if certs_main(["issue", "--site", site, *role, str(ws / "certs")]) != 0:
-                return 1
+    with contextlib.redirect_stdout(io.StringIO()):
+        if not (ws / "certs" / "ca.pem").exists() and certs_main(["init", str(ws / "certs")]) != 0:
+            return 1
+        for site in ("a", "b"):
+            for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
+                if certs_main(["issue", "--site", site, *role, str(ws / "certs")]) != 0:
+                    return 1
     configs = _write_configs(ws, args.base_port)
     ports = configs.pop("ports")  # type: ignore[arg-type]
     procs: list[subprocess.Popen] = []

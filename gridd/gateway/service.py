@@ -28,6 +28,8 @@ from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.store import GatewayStore, excluded_reason
 from gridd.errors import GriddError
+from gridd.gateway.forward import make_upstream_transport
+from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
 from gridd.wire import PROTOCOL_VERSION, Batches, Error, Poll, ServingConfig
@@ -122,7 +124,8 @@ class GatewayService:
         *,
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
-        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        ingress_transport: httpx.AsyncBaseTransport | None = None,
         open_operator_link: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> None:
         """open_operator_link: the connection to the operator (tests pass an in-memory one);
@@ -131,7 +134,8 @@ class GatewayService:
         self.registry = registry
         self.wall = wall
         self.rng = rng or random.Random()
-        self._client = client
+        self._transport = transport
+        self._ingress_transport = ingress_transport
         self._open_operator_link = open_operator_link or self._dial_operator
         cfg = loaded.config
         t, shedding = cfg.timings, cfg.availability.shedding
@@ -165,13 +169,17 @@ class GatewayService:
         if self.tls is None:
             raise GriddError("a gateway needs tls (ca, cert, key) to poll its operator over mutual TLS",
                              reason="config")
-        client = self._client or make_forward_client()
-        async with client, trio.open_nursery() as nursery:
+        # Forwarding transports: this site's providers, and other sites' ingress (verified
+        # against the grid CA, presenting this gateway's certificate, when it is https).
+        transport = self._transport or make_upstream_transport()
+        ingress = self._ingress_transport or make_upstream_transport(verify=self.tls.client_context)
+        async with transport, ingress, trio.open_nursery() as nursery:
             if self.config.listen.http:
-                from gridd.gateway.front import make_front_app
-
-                app = make_front_app(self.router, client, self.registry, rng=self.rng)
+                app = make_front_app(self.router, transport, self.registry, rng=self.rng,
+                                     ingress_transport=ingress)
                 self.front_urls = await nursery.start(self._serve_front, app)
+            else:
+                self._front_done.set()  # no front: nothing to drain
             # Serving from here on: the poller runs only while the front accepts requests.
             self._serving = True
             nursery.start_soon(self._supervise_poller, name="operator-poller")
@@ -299,9 +307,3 @@ class GatewayService:
             "candidates": candidates,
             "ingest_drops": store.fences.drops(),
         }
-
-
-def make_forward_client() -> httpx.AsyncClient:
-    # Callers own timeouts (the front bounds connect, headers and idle gaps itself).
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30.0)
-    return httpx.AsyncClient(limits=limits, timeout=None, follow_redirects=False, http2=False)
