@@ -1,0 +1,161 @@
+"""The whole grid through real processes on loopback with real TLS certificates from
+`gridd certs`: two simulators, two operators peering over mutual TLS, two gateways, and the
+official openai SDK as the client. Polls are sped up (peer poll 1 s) to keep it short."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.realproc
+MODEL = "grid-model"
+DEADLINE_S = 30.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def gridd(*args: str, log=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log or subprocess.DEVNULL,
+                            stderr=log or subprocess.DEVNULL, env={**os.environ})
+
+
+def wait_until(check, what: str, deadline_s: float = DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    last = None
+    while time.monotonic() < end:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            last = exc
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    ws = tmp_path_factory.mktemp("grid")
+    certs = ws / "certs"
+    assert subprocess.run([sys.executable, "-m", "gridd", "certs", "init", str(certs)],
+                          capture_output=True, timeout=60).returncode == 0
+    for site in ("a", "b"):
+        for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
+            assert subprocess.run([sys.executable, "-m", "gridd", "certs", "issue", "--site", site, *role,
+                                   str(certs)], capture_output=True, timeout=60).returncode == 0
+    p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b", "met-a", "met-b"], free_ports(8), strict=True))
+    for site, other in (("a", "b"), ("b", "a")):
+        (ws / f"op-{site}.yaml").write_text(f"""
+role: operator
+site: {site}
+tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
+listen: {{metrics: "127.0.0.1:{p[f'met-{site}']}", signals: "127.0.0.1:{p[f'sig-{site}']}"}}
+control_socket: run/op-{site}.sock
+state_dir: state/op-{site}
+ingress: http://127.0.0.1:{p[f'gw-{site}']}
+providers:
+  - name: pool-{site}
+    model: {MODEL}
+    settings: {{endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/v1"}}
+    metrics: {{url: "http://127.0.0.1:{p[f'sim-{site}']}/metrics"}}
+peers:
+  - {{site: {other}, url: "wss://127.0.0.1:{p[f'sig-{other}']}/signals", ingress: "http://127.0.0.1:{p[f'gw-{other}']}"}}
+timings: {{peer_poll_interval_s: 1, peer_poll_budget_s: 2}}
+""")
+        (ws / f"gw-{site}.yaml").write_text(f"""
+role: gateway
+site: {site}
+replica: g1
+tls: {{ca: certs/ca.pem, cert: certs/{site}-gateway-g1.pem, key: certs/{site}-gateway-g1-key.pem}}
+listen: {{http: "127.0.0.1:{p[f'gw-{site}']}"}}
+control_socket: run/gw-{site}.sock
+operator: {{url: "wss://127.0.0.1:{p[f'sig-{site}']}/signals"}}
+availability: {{shedding: {{enabled: true}}}}
+""")
+    log = open(ws / "grid.log", "ab")  # noqa: SIM115 - closed below
+    procs = [gridd("sim", "--port", str(p[f"sim-{s}"]), "--model", MODEL, "--endpoints", "2", "--max-seqs", "4",
+                   "--ttft-s", "0.02", "--tpot-s", "0.01", "--pool", f"pool-{s}", log=log) for s in ("a", "b")]
+    procs += [gridd("run", "--config", str(ws / f"{kind}-{s}.yaml"), log=log) for kind in ("op", "gw") for s in ("a", "b")]
+    try:
+        yield {"ws": ws, "ports": p, "procs": procs}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=20))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append("killed")
+        log.close()
+    assert codes[2:] == [0, 0, 0, 0], (codes, (ws / "grid.log").read_text()[-3000:])
+
+
+def gridctl_json(grid, name: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                          "--socket", str(grid["ws"] / "run" / f"{name}.sock"), "status", "--json"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["status"]
+
+
+def test_operators_export_both_sites_and_gateway_holds_one_connection(grid):
+    p = grid["ports"]
+    for site in ("a", "b"):
+        def both(site=site):
+            text = httpx.get(f"http://127.0.0.1:{p[f'met-{site}']}/metrics", timeout=2).text
+            return all(re.search(rf'grid_provider_ready\{{grid_provider="pool-{s}",grid_site="{s}"\}} 1\.0', text)
+                       for s in ("a", "b"))
+        wait_until(both, f"operator {site} exporting both sites")
+    gw = wait_until(lambda: (s := gridctl_json(grid, "gw-a"))["role_status"]["operator_state"] == "up" and
+                    {c["site"] for c in s["role_status"]["candidates"]} == {"a", "b"} and s, "gateway a's store")
+    assert gw["role_status"]["models"] == [MODEL]
+    op = gridctl_json(grid, "op-a")
+    # the gateway's one connection is its operator's only gateway connection
+    assert op["role_status"]["signals"]["connections"]["gateway"] == 1
+    assert {peer["site"]: peer["state"] for peer in op["role_status"]["peers"]} == {"b": "up"}
+
+
+def test_openai_sdk_through_the_grid(grid):
+    p = grid["ports"]
+    wait_until(lambda: httpx.get(f"http://127.0.0.1:{p['gw-a']}/readyz", timeout=2).status_code == 200, "readyz")
+    wait_until(lambda: {c["site"] for c in gridctl_json(grid, "gw-a")["role_status"]["candidates"]} == {"a", "b"},
+               "both sites at gateway a")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{p['gw-a']}/v1", api_key="unused", max_retries=0, timeout=30)
+    served = set()
+    for i in range(30):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
+        assert raw.parse().choices[0].message.content
+        served.add(raw.headers["x-gridd-served-by"])
+    assert served == {"a", "b"}  # site b's requests went through b's gateway, pinned there
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, stream=True)
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(chunks) == 5
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    models = [m.id for m in client.models.list()]
+    assert models == [MODEL]
