@@ -29,14 +29,17 @@ import select
 import statistics
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 
 import trio
+from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
+    Phase,
+    PhaseResult,
+    pct,
+    run_phase,
+    stop_child,
+)
 
-PHASE_CAP_S = 60.0
 CHILD_START_CAP_S = 20.0
-CONNECT_CAP_S = 5.0
 MODEL = "sim-model"
 CHAT = b'{"model":"sim-model","messages":[{"role":"user","content":"Say something short."}]}'
 CHAT_STREAM = (b'{"model":"sim-model","stream":true,'
@@ -115,119 +118,18 @@ def start_child(role: str, cpu: int | None, upstream: str | None = None) -> tupl
     return child, child.stdout.readline().strip()
 
 
-def stop_child(child: subprocess.Popen) -> None:
-    child.terminate()
-    try:
-        child.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait(timeout=5)
 
 
 # ---------------------------------------------------------------------------------------------
 # Load side
 
 
-class Closed(Exception):
-    pass
 
 
-class RawConnection:
-    """Minimal HTTP/1.1 client: Content-Length or chunked responses, keep-alive."""
-
-    def __init__(self, stream: trio.SocketStream):
-        self.stream = stream
-        self.buf = bytearray()
-
-    async def _fill(self) -> None:
-        data = await self.stream.receive_some(65536)
-        if not data:
-            raise Closed
-        self.buf += data
-
-    async def _head(self) -> tuple[int, dict[bytes, bytes]]:
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            await self._fill()
-        lines = bytes(self.buf[:end]).split(b"\r\n")
-        del self.buf[: end + 4]
-        status = int(lines[0].split(b" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers[name.strip().lower()] = value.strip()
-        return status, headers
-
-    async def _line(self) -> bytes:
-        while True:
-            end = self.buf.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self.buf[:end])
-                del self.buf[: end + 2]
-                return line
-            await self._fill()
-
-    async def _exact(self, n: int) -> None:
-        while len(self.buf) < n:
-            await self._fill()
-        del self.buf[:n]
-
-    async def exchange(self, request: bytes) -> tuple[float, float]:
-        """Send one request; (seconds to the first body byte, seconds to the end of the body)."""
-        start = time.perf_counter()
-        await self.stream.send_all(request)
-        status, headers = await self._head()
-        if status != 200:
-            raise RuntimeError(f"unexpected status {status}")
-        first = None
-        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            while True:
-                size = int((await self._line()).split(b";")[0], 16)
-                if size == 0:
-                    await self._line()
-                    break
-                await self._exact(size + 2)
-                if first is None:
-                    first = time.perf_counter()
-        else:
-            await self._exact(int(headers[b"content-length"]))
-            first = time.perf_counter()
-        end = time.perf_counter()
-        return (first or end) - start, end - start
 
 
-@dataclass
-class PhaseResult:
-    first_s: list[float] = field(default_factory=list)
-    total_s: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-    capped: bool = False
 
 
-async def run_phase(host: str, port: int, request: bytes, concurrency: int, per_conn: int) -> PhaseResult:
-    result = PhaseResult()
-
-    async def worker():
-        with trio.fail_after(CONNECT_CAP_S):
-            conn = RawConnection(await trio.open_tcp_stream(host, port))
-        try:
-            for _ in range(per_conn):
-                first, total = await conn.exchange(request)
-                result.first_s.append(first)
-                result.total_s.append(total)
-        finally:
-            await conn.stream.aclose()
-
-    start = time.perf_counter()
-    with trio.move_on_after(PHASE_CAP_S) as scope:
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(worker)
-    result.wall_s = time.perf_counter() - start
-    result.capped = scope.cancelled_caught
-    return result
 
 
 def post(body: bytes) -> bytes:
@@ -236,12 +138,6 @@ def post(body: bytes) -> bytes:
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-@dataclass(frozen=True)
-class Phase:
-    key: str
-    request: bytes
-    concurrency: int
-    per_conn: int
 
 
 def phases(scale: float) -> list[Phase]:
@@ -260,9 +156,6 @@ def hostport(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
 
 
 def main() -> None:
