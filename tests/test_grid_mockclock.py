@@ -81,6 +81,7 @@ site: a
 replica: g1
 tls: {ca: certs/ca.pem, cert: certs/a-gateway-g1.pem, key: certs/a-gateway-g1-key.pem}
 operator: {url: "wss://op-a:1/signals"}
+availability: {shedding: {enabled: true, full_after_ms: 2000, room_after_ms: 5000}}
 """
 
 
@@ -266,3 +267,48 @@ async def test_dead_peer_sorts_last_within_the_ttl_and_is_then_forgotten(grid, a
     assert reg.get_sample_value("grid_provider_ready", {"grid_site": "a", "grid_provider": "pool-a"}) == 1.0
     peer_b = next(p for p in grid.operators["a"].status()["peers"] if p["site"] == "b")
     assert peer_b["state"] == "down" and peer_b["last_error"] == "timeout"
+
+
+async def saturate(sim, n: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """n long streamed requests held in the simulator until cancelled (2 x 8 slots: 16 run,
+    the rest wait)."""
+    async def one(client):
+        await client.post("http://sim/v1/completions", json={
+            "model": "m", "prompt": "x", "max_tokens": 10_000, "stream": True})
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=sim)) as client, trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one, client)
+        task_status.started()
+
+
+async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, autojump_clock):
+    from gridd.core.decisions import Forward, Shed
+
+    o = grid.origin
+    await trio.sleep_until(o + 5.25)
+    async with trio.open_nursery() as load:
+        await load.start(saturate, grid.sims["a"], 40)
+        await load.start(saturate, grid.sims["b"], 40)
+        # a's scrape at +6 shows 16 running + 24 waiting, at the gateway from its +6.5 poll;
+        # b's scrape at +6 reaches a's peer poll at +10 and the gateway at +10.5: from then on
+        # every healthy site is saturated with work waiting. Shedding starts full_after_ms
+        # (2 s) later, at +12.5.
+        await trio.sleep_until(o + 10.6)
+        snap = grid.gateway.store.snapshots["m"]
+        assert snap.all_full and {v.site for v in snap.ordered} == {"a", "b"}
+        await trio.sleep_until(o + 12.49)
+        assert isinstance(grid.gateway.router.decide("m"), Forward)
+        await trio.sleep_until(o + 12.5)
+        shed = grid.gateway.router.decide("m")
+        assert isinstance(shed, Shed) and 1.0 <= shed.retry_after_s <= 60.0
+        await trio.sleep_until(o + 15.25)
+        load.cancel_scope.cancel()  # the clients go away; the simulators drain at once
+    # a's idle reading lands at +16.5; b's saturated reading (taken at +15) stays the latest
+    # sample of b until a's peer poll at +20 brings an idle one, at the gateway at +20.5. The
+    # last ingest that still showed saturation was +19.5: routing resumes room_after_ms
+    # (5 s) after it, at +24.5.
+    await trio.sleep_until(o + 24.49)
+    assert isinstance(grid.gateway.router.decide("m"), Shed)
+    await trio.sleep_until(o + 24.5)
+    assert isinstance(grid.gateway.router.decide("m"), Forward)
