@@ -9,6 +9,8 @@ a batch without revision metadata: receivers use it for readiness but never lear
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import ReadinessTracker, Verdict
@@ -44,6 +46,7 @@ class ProviderPublisher:
         generation: int,
         publisher_epoch: int,
         created_at: float,
+        next_sequence: Callable[[], int],
         pool: str | None = None,
         queue_full_at: float | None = None,
         latency_window_s: float = 30.0,
@@ -58,6 +61,10 @@ class ProviderPublisher:
         self.publisher_epoch = publisher_epoch
         self.pool = pool
         self.queue_full_at = queue_full_at
+        # Receivers fence per (site, provider) on (publisher_epoch, batch_sequence), so a
+        # provider's sequence must keep rising within an epoch even across a delete and
+        # re-create under the same name (a new uid): the operator hands out one counter.
+        self._next_sequence = next_sequence
         self.sequence = 0
         self.readiness = ReadinessTracker(created_at=created_at, engine_answer_window_s=engine_answer_window_s)
         self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
@@ -73,7 +80,6 @@ class ProviderPublisher:
         readiness history with the object; a new generation keeps them (same provider)."""
         if provider_uid != self.provider_uid:
             self.latency = LatencyWindow(window_s=self.latency.window_s, min_completed=self.latency.min_completed)
-            self.sequence = 0
         self.model, self.provider_uid, self.generation = model, provider_uid, generation
         self.pool, self.queue_full_at = pool, queue_full_at
 
@@ -116,7 +122,7 @@ class ProviderPublisher:
         revision = None
         if load is not None:
             self.last_load, self.last_latency = load, latency
-            self.sequence += 1
+            self.sequence = self._next_sequence()
             revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, self.sequence,
                                 sample_count(load))
         return Batch(

@@ -7,6 +7,7 @@ which the exporter, the signals server and gridctl read.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import ssl
@@ -83,6 +84,9 @@ class OperatorService:
         self.fences = AdmissionFences(future_epoch_bound_s=loaded.config.timings.future_epoch_bound_s)
         self.publishers: dict[str, ProviderPublisher] = {}
         self.publisher_epoch: int | None = None
+        # One sequence for every batch this operator publishes in its epoch: strictly
+        # increasing per provider even across a delete and re-create (see publication.py).
+        self._sequence = itertools.count(1)
         self.pool: ScrapePool | None = None
         self.tls: SignalsTLS | None = None
         self._rng = rng if rng is not None else random.Random()
@@ -195,7 +199,7 @@ class OperatorService:
                 self.publishers[provider.name] = ProviderPublisher(
                     site=cfg.site, provider=provider.name, model=provider.model, provider_uid=rev.uid,
                     generation=rev.generation, publisher_epoch=self.publisher_epoch or 0, created_at=now,
-                    pool=pool, queue_full_at=queue_full_at, latency_window_s=t.latency_window_s,
+                    next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, latency_window_s=t.latency_window_s,
                     latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
                 )
             else:
