@@ -87,12 +87,16 @@ async def serve_control(
                 reply = await handler(request)
             except trio.TooSlowError:
                 reply = {"ok": False, "error": "request not received in time"}
-            except (ValueError, UnicodeDecodeError) as exc:
-                reply = {"ok": False, "error": f"bad request: {exc}"}
-            try:
-                await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
-            except trio.BrokenResourceError:
-                pass
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                reply = {"ok": False, "error": f"bad request: {type(exc).__name__}: {exc}"[:300]}
+            except Exception as exc:  # one bad request must never take the daemon down
+                log.exception("control request failed")
+                reply = {"ok": False, "error": f"internal error: {exc!r}"[:300]}
+            with trio.move_on_after(REQUEST_DEADLINE_S):  # a client that stops reading
+                try:
+                    await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
 
     try:
         async with trio.open_nursery() as nursery:

@@ -116,12 +116,52 @@ def test_replays_and_future_epochs_never_reach_the_store():
     assert s.candidates[("b", "llama")].batch is newer
 
 
-def test_candidates_the_operator_no_longer_holds_are_forgotten():
-    s = store()
+def test_candidates_the_operator_no_longer_holds_age_then_are_forgotten():
+    s = store(signal_ttl_s=20.0)
     feed = Feed()
     s.ingest([feed.batch("a"), feed.batch("b")], now=0.0, now_wall=WALL)
-    s.ingest([feed.batch("a")], now=1.0, now_wall=WALL)
+    # one answer without b (e.g. a restarted operator before its first peer poll) is no
+    # proof b is gone: kept, ageing, and stale once past the TTL
+    s.ingest([], now=1.0, now_wall=WALL)
+    assert s.models() == ["m"] and set(s.candidates) == {("a", "llama"), ("b", "llama")}
+    s.ingest([feed.batch("a")], now=30.0, now_wall=WALL)
+    assert [(v.site, v.stale) for v in s.snapshots["m"].ordered] == [("a", False), ("b", True)]
+    s.ingest([feed.batch("a")], now=40.0, now_wall=WALL)  # exactly 2 x TTL old: kept
+    assert ("b", "llama") in s.candidates
+    s.ingest([feed.batch("a")], now=40.5, now_wall=WALL)  # past 2 x TTL: forgotten
     assert set(s.candidates) == {("a", "llama")}
+
+
+def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
+    s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
+    feed = Feed()
+    busy = load(ready=2, running=4.0, waiting=2.0, kv=0.99)
+    for t in range(0, 4):
+        s.ingest([feed.batch("a", ld=busy), feed.batch("b", ld=busy)], now=float(t), now_wall=WALL)
+    assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Shed)
+    assert isinstance(s.decide("m", now=3.0, rng=random.Random(1), pinned_site="a"), Shed)
+    s.ingest([feed.batch("a", ld=load(ready=0)), feed.batch("b", ready=False, ld=busy)], now=4.0, now_wall=WALL)
+    assert isinstance(s.decide("m", now=4.0, rng=random.Random(1)), Unavailable)
+
+
+def test_an_epp_that_never_exposed_unit_series_is_not_excluded_for_lacking_them():
+    s = store()
+    feed = Feed()
+    s.ingest([feed.batch("a", ld=load(units=False))], now=0.0, now_wall=WALL)
+    assert [v.site for v in s.snapshots["m"].ordered] == ["a"]
+    s.ingest([feed.batch("a")], now=1.0, now_wall=WALL)  # units appear ...
+    s.ingest([feed.batch("a", ld=load(units=False))], now=2.0, now_wall=WALL)  # ... and stop
+    assert [v.site for v in s.snapshots["m"].excluded] == ["a"]
+
+
+def test_an_overflowing_reading_is_treated_as_missing_not_a_crash():
+    s = store()
+    feed = Feed()
+    huge = LoadSignals(ready_endpoints=2, units=(UnitLoad("u0"), UnitLoad("u1")), avg_running=1e308,
+                       avg_waiting=0.0, kv_mean=0.1, kv_spread=0.0, in_flight=None)
+    s.ingest([feed.batch("a", ld=huge), feed.batch("b")], now=0.0, now_wall=WALL)
+    assert "a" in {v.site for v in s.snapshots["m"].ordered}
+    assert isinstance(s.decide("m", now=0.0, rng=random.Random(1)), Forward)
 
 
 def test_pinned_requests_are_served_locally_only_and_retry_excludes():

@@ -64,7 +64,10 @@ def gateway_in_flight(load: LoadSignals) -> float | None:
     if units is None or units == 0 or load.avg_running is None:
         return None
     waiting = load.avg_waiting if load.avg_waiting is not None else 0.0
-    return (load.avg_running + waiting) * units + load.flow_queue
+    in_flight = (load.avg_running + waiting) * units + load.flow_queue
+    # Finite inputs can still overflow (1e308 x 2): such a reading says nothing usable, and
+    # an infinite bound must never reach ordering. Treated like a missing reading.
+    return in_flight if math.isfinite(in_flight) else None
 
 
 def work_waiting(load: LoadSignals) -> bool:

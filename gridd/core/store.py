@@ -28,10 +28,12 @@ LOCAL_RECHECK_S = 2.0
 """A local exclusion can lift at the next scrape + poll (about 2 s at the defaults)."""
 REMOTE_RECHECK_S = 6.0
 """A remote one waits on the operator's peer poll (5 s) + the gateway poll (1 s)."""
+FORGET_AFTER_TTLS = 2.0
+"""A candidate the operator stopped relaying is forgotten once its reading is this many TTLs old."""
 
 
 class Candidate:
-    __slots__ = ("site", "provider", "model", "batch", "received_at", "learner")
+    __slots__ = ("site", "provider", "model", "batch", "received_at", "learner", "units_seen")
 
     def __init__(self, site: str, provider: str, learner: CapacityLearner) -> None:
         self.site = site
@@ -40,6 +42,8 @@ class Candidate:
         self.batch: Batch | None = None
         self.received_at = 0.0
         self.learner = learner
+        self.units_seen = False
+        """Per-unit samples arrived for this candidate before (their stopping excludes it)."""
 
     def age_s(self, now: float) -> float:
         if self.batch is None:
@@ -47,17 +51,19 @@ class Candidate:
         return self.batch.age_s + max(0.0, now - self.received_at)
 
 
-def excluded_reason(batch: Batch) -> str | None:
+def excluded_reason(batch: Batch, *, units_seen: bool = True) -> str | None:
     """Why a site leaves selection, or None. A reading of ready 0, a zero ready count, or
     per-unit series that stopped while the ready count kept stamping exclude it until a
-    later reading says otherwise (spec: Provider Readiness, Failure Behavior)."""
+    later reading says otherwise (spec: Provider Readiness, Failure Behavior). "Stopped"
+    needs memory: an EPP that never exposed per-unit series (``units_seen`` False) is not
+    excluded for lacking them."""
     if batch.ready is False:
         return "not_ready"
     load = batch.load
     if load is not None and load.ready_endpoints is not None:
         if load.ready_endpoints == 0:
             return "zero_ready_endpoints"
-        if not load.units:
+        if not load.units and units_seen:
             return "unit_series_stopped"
     return None
 
@@ -113,10 +119,17 @@ class GatewayStore:
                 cand = self.candidates[key] = Candidate(batch.site, batch.provider,
                                                         CapacityLearner(**self._learner_args))
             cand.model, cand.batch, cand.received_at = batch.model, batch, now
+            if batch.load is not None and batch.load.units:
+                cand.units_seen = True
             if batch.load is not None:
                 cand.learner.observe(now, batch.revision, batch.load, complete=batch.complete, new_sample=True)
         if complete_view:
-            for key in [k for k in self.candidates if k not in seen]:
+            # The operator no longer holds it (deleted, or a peer's reading it expired). One
+            # answer is not proof: a restarted operator relays its peers' readings only after
+            # its first peer polls. So a missing candidate is kept, ageing (stale, sorted
+            # last), and forgotten once its reading is past FORGET_AFTER_TTLS x the TTL.
+            horizon = FORGET_AFTER_TTLS * self.signal_ttl_s
+            for key in [k for k, c in self.candidates.items() if k not in seen and c.age_s(now) > horizon]:
                 del self.candidates[key]
                 self.fences.forget(*key)
         self.ingests += 1
@@ -140,7 +153,8 @@ class GatewayStore:
             load: LoadSignals | None = batch.load if fresh else None
             views.setdefault(cand.model, []).append(candidate_view(
                 site=cand.site, provider=cand.provider, model=cand.model, learner=cand.learner, load=load,
-                now=now, healthy=routable and excluded_reason(batch) is None, local=local, fresh=fresh,
+                now=now, healthy=routable and excluded_reason(batch, units_seen=cand.units_seen) is None,
+                local=local, fresh=fresh,
             ))
         snapshots: dict[str, OrderedSnapshot] = {}
         local_snapshots: dict[str, OrderedSnapshot] = {}
@@ -176,7 +190,10 @@ class GatewayStore:
                                               if (v.site, v.provider) not in exclude],
                                       none_healthy_retry_after_s=snapshot.none_healthy_retry_after_s)
         shed = self.shed.get(model)
-        if self.shedding_enabled and not pinned and shed is not None and shed.shedding(now):
+        # Shed only a model that has a healthy site: with none, the answer is 503 (spec: "a
+        # model with no healthy routable site gets 503"). Pinned requests shed too: the pin
+        # header comes from clients as well, and must not be a way around a 429.
+        if (self.shedding_enabled and snapshot.ordered and shed is not None and shed.shedding(now)):
             return Shed(shed.retry_after_s(now))
         outcome = pick(snapshot, rng)
         if isinstance(outcome, Full):

@@ -221,9 +221,10 @@ class GatewayService:
             next_poll = trio.current_time()
             while True:
                 await self._poll_once(dialer)
-                # Drift-free (STYLE 9): polls start one interval apart.
-                next_poll += self.config.timings.gateway_poll_interval_s
-                await trio.sleep_until(max(next_poll, trio.current_time()))
+                # Drift-free (STYLE 9): polls start one interval apart; ticks missed while a
+                # poll ran long are skipped, not made up in a burst.
+                next_poll = max(next_poll + self.config.timings.gateway_poll_interval_s, trio.current_time())
+                await trio.sleep_until(next_poll)
 
     async def _poll_once(self, dialer) -> None:
         t = self.config.timings
@@ -259,6 +260,9 @@ class GatewayService:
         self.store.rebuild(now)
 
     async def stage(self, new: LoadedConfig) -> StagedGateway:
+        if new.config.tls is None:
+            raise GriddError("tls: a gateway needs its certificate to poll its operator; keeping the old config",
+                             reason="config")
         tls = await trio.to_thread.run_sync(load_gateway_tls, new, self.wall())
         return StagedGateway(new, tls)
 
@@ -293,7 +297,7 @@ class GatewayService:
             candidates.append({
                 "model": cand.model, "site": cand.site, "provider": cand.provider,
                 "age_s": round(cand.age_s(now), 3), "ready": b.ready if b else None,
-                "excluded": excluded_reason(b) if b else "no_reading",
+                "excluded": excluded_reason(b, units_seen=cand.units_seen) if b else "no_reading",
                 "rho": cand.learner.recent_worst_rho(now), "capacity": cand.learner.bound,
             })
         return {
