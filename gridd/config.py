@@ -16,6 +16,7 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
+import httpx
 import msgspec
 import msgspec.inspect
 import yaml
@@ -371,8 +372,25 @@ def _check_semantics(cfg: Config) -> None:
             fail("replica", "a gateway needs its replica name (its certificate's SAN URI names it)")
     if cfg.role == "operator" and cfg.operator is not None:
         fail("operator", "only a gateway names an operator")
+    def check_url(path: str, url: str | None) -> None:
+        if url is None:
+            return
+        try:
+            parsed = httpx.URL(url)
+            if not parsed.host:
+                raise httpx.InvalidURL("no host")
+        except (httpx.InvalidURL, ValueError) as exc:
+            fail(path, f"not a usable URL ({exc}): {url!r}")
+
     seen: set[str] = set()
     for i, p in enumerate(cfg.providers):
+        check_url(f"providers[{i}].settings.endpoint", p.settings.endpoint)
+        check_url(f"providers[{i}].metrics.url", p.metrics.url if p.metrics else None)
+        auth = p.settings.auth
+        for where, text in (("api_key", auth.api_key), ("header_name", auth.header_name),
+                            *((f"custom_headers.{k}", f"{k}: {v}") for k, v in auth.custom_headers.items())):
+            if text is not None and not text.isascii():
+                fail(f"providers[{i}].settings.auth.{where}", "expected ASCII (it is sent in an HTTP header)")
         if p.name in seen:
             fail(f"providers[{i}].name", f"duplicate provider name {p.name!r}")
         seen.add(p.name)
@@ -400,6 +418,8 @@ def _check_semantics(cfg: Config) -> None:
                     fail(f"{where}.publish[{k}].path", "a file sink needs a path")
     peer_sites: set[str] = set()
     for i, peer in enumerate(cfg.peers):
+        check_url(f"peers[{i}].url", peer.url)
+        check_url(f"peers[{i}].ingress", peer.ingress)
         if peer.site == cfg.site:
             fail(f"peers[{i}].site", f"a peer cannot be this operator's own site {cfg.site!r}")
         if peer.site in peer_sites:

@@ -100,6 +100,11 @@ providers:
         ("role: operator\nsite: a\ntimings: {peer_poll_interval_s: 20}\n",
          "timings.peer_poll_budget_s: expected a budget at least as long as peer_poll_interval_s"),
         ("- just\n- a list\n", "(top level): expected a mapping, got a list"),
+        ("role: operator\nsite: a\nproviders:\n - {name: x, model: m, settings: {endpoint: 'http://h/v1'}, "
+         "metrics: {url: 'http://[::1/metrics'}}\n", "providers[0].metrics.url: not a usable URL"),
+        ("role: operator\nsite: a\nproviders:\n - {name: x, model: m, settings: {endpoint: 'http://h/v1', "
+         "auth: {scheme: bearer, api_key: 'clé'}}}\n",
+         "providers[0].settings.auth.api_key: expected ASCII"),
         ("role: operator\n  site: [unclosed\n", "not valid YAML at line"),
     ],
 )

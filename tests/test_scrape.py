@@ -111,3 +111,25 @@ async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock)
     assert [(s - origin, d) for s, d in starts] == [
         (0.0, 0.25), (1.0, 0.25), (2.0, 1.75), (3.75, 0.25), (4.75, 0.25),
     ]
+
+
+async def test_a_target_httpx_cannot_send_fails_alone_and_a_result_bug_stops_nothing(autojump_clock):
+    results = {}
+
+    def on_result(result):
+        if result.provider == "buggy":
+            raise RuntimeError("bug on one provider's result path")
+        results[result.provider] = result
+
+    async with httpx.AsyncClient(transport=transport({})) as client:
+        pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=on_result)
+        await pool.run_pass([
+            ScrapeTarget("bad-url", "http://[::1/metrics", 2.0),
+            ScrapeTarget("bad-header", "http://ok/metrics", 2.0, {"authorization": "Bearer clé\u2603"}),
+            ScrapeTarget("buggy", "http://ok/metrics", 2.0),
+            ScrapeTarget("fine", "http://ok/metrics", 2.0),
+        ])
+    assert results["bad-url"].failure_class == "connect"
+    assert results["bad-header"].failure_class == "connect"
+    assert results["fine"].failure_class is None
+    assert pool.result_errors == 1

@@ -85,6 +85,10 @@ async def fetch_capped(client: httpx.AsyncClient, target: ScrapeTarget, body_cap
         return None, "tls", f"TLS: {exc}"
     except OSError as exc:
         return None, "connect", f"{type(exc).__name__}: {exc}"
+    except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
+        # A target httpx cannot even send (a malformed URL, a header it cannot encode):
+        # the scrape fails like an unreachable one; it must never take the pool down.
+        return None, "connect", f"cannot send the request: {type(exc).__name__}: {exc}"
 
 
 async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int) -> ScrapeResult:
@@ -102,7 +106,9 @@ def make_client(concurrency: int, verify: ssl.SSLContext | bool = True) -> httpx
     # httpx's pool at or above the limiter, so it never becomes a hidden queue (STYLE 8).
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     return httpx.AsyncClient(limits=limits, timeout=None, verify=verify, follow_redirects=False,
-                             headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1"})
+                             # identity: the body cap counts decoded bytes, and a compressed chunk could
+        # otherwise expand far past it before the cap is checked.
+        headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "accept-encoding": "identity"})
 
 
 class ScrapePool:
@@ -126,6 +132,7 @@ class ScrapePool:
         self.last_pass_s: float | None = None
         self.passes = 0
         self.max_in_flight_seen = 0
+        self.result_errors = 0
         self._in_flight = 0
 
     async def run_pass(self, targets: Sequence[ScrapeTarget]) -> float:
@@ -150,9 +157,14 @@ class ScrapePool:
         finally:
             self._in_flight -= 1
             self.limiter.release_on_behalf_of(token)
-        outcome = self.on_result(result)
-        if outcome is not None:
-            await outcome
+        try:
+            outcome = self.on_result(result)
+            if outcome is not None:
+                await outcome
+        except Exception:
+            # A bug on one provider's result path must not stop every provider's scraping.
+            self.result_errors += 1
+            log.exception("provider %s: processing the scrape result failed", target.provider)
 
     async def run(
         self,

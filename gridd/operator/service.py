@@ -83,6 +83,7 @@ class OperatorService:
         self.holdings = Holdings()
         self.fences = AdmissionFences(future_epoch_bound_s=loaded.config.timings.future_epoch_bound_s)
         self.publishers: dict[str, ProviderPublisher] = {}
+        self._providers_by_name: dict[str, ProviderConfig] = {}
         self.publisher_epoch: int | None = None
         # One sequence for every batch this operator publishes in its epoch: strictly
         # increasing per provider even across a delete and re-create (see publication.py).
@@ -167,7 +168,7 @@ class OperatorService:
 
     def _on_scrape(self, result: ScrapeResult) -> None:
         publisher = self.publishers.get(result.provider)
-        provider = next((p for p in self.config.providers if p.name == result.provider), None)
+        provider = self._providers_by_name.get(result.provider)
         if publisher is None or provider is None:
             return  # removed by a reload while its scrape ran
         batch = publisher.on_scrape(
@@ -185,6 +186,7 @@ class OperatorService:
 
     def _apply_providers(self, revisions: dict[str, ProviderRevision]) -> None:
         cfg = self.config
+        self._providers_by_name = {p.name: p for p in cfg.providers}
         now = trio.current_time()
         for name in [n for n in self.publishers if n not in revisions]:
             del self.publishers[name]
