@@ -287,3 +287,40 @@ async def test_recreated_provider_keeps_a_rising_sequence_that_receivers_admit(t
         nursery.cancel_scope.cancel()
     (uid1, seq1), (uid2, seq2) = seen
     assert uid1 != uid2 and seq2 > seq1
+
+
+def test_unpublishable_values_travel_as_a_verdict_alone_and_time_never_goes_back():
+    from gridd.core.admission import validate_payload
+    from gridd.core.publication import ProviderPublisher
+
+    pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1, publisher_epoch=7,
+                            created_at=0.0, next_sequence=iter(range(1, 100)).__next__)
+    good = (b'llm_d_epp_ready_endpoints{name="p"} 2\nllm_d_epp_average_running_requests{name="p"} 1\n'
+            b'llm_d_epp_average_queue_size{name="p"} 0\nllm_d_epp_average_kv_cache_utilization{name="p"} 0.2\n'
+            b'llm_d_epp_per_endpoint_queue_size{name="p",model_server_endpoint="e0"} 0\n')
+    first = pub.on_scrape(now=1.0, wall_now=1000.0, body=good, failure_class=None, stale_after_s=10, unavailable=False)
+    assert first.complete and validate_payload(first) is None
+    bad = good.replace(b"average_queue_size{name=\"p\"} 0", b"average_queue_size{name=\"p\"} -1")
+    # ... and the wall clock stepped back 5 s
+    second = pub.on_scrape(now=2.0, wall_now=995.0, body=bad, failure_class=None, stale_after_s=10, unavailable=False)
+    assert second.revision is None and second.load is None and second.ready is True
+    assert validate_payload(second) is None and pub.summary.invalid_payloads == 1
+    assert second.published_ms > first.published_ms
+
+
+async def test_own_series_go_stale_on_metrics_when_scraping_stops(tmp_path, autojump_clock):
+    rig = Rig(tmp_path, endpoints=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 2.5)
+        assert rig.sample("grid_provider_ready") == 1.0 and rig.sample("grid_provider_in_flight_requests") == 0.0
+        await rig.operator.drain()  # passes scrape nothing from here on; last scrape at +2
+        # staleMetricsSeconds = 10 s: still ready 10 s after the last answer, not after
+        await trio.sleep_until(origin + 12.0)
+        assert rig.sample("grid_provider_ready") == 1.0
+        await trio.sleep_until(origin + 12.5)
+        assert rig.sample("grid_provider_ready") == 0.0
+        assert rig.sample("grid_provider_in_flight_requests") is None
+        assert rig.sample("grid_provider_ready_endpoints") is None
+        nursery.cancel_scope.cancel()

@@ -52,6 +52,8 @@ __all__ = [
 
 DEFAULT_LATENCY_WINDOW_S = 30.0
 DEFAULT_MIN_COMPLETED = 20
+MAX_COMPLETED = 2**53
+"""A counter jump past this is clamped (the wire carries 64-bit integers)."""
 DEFAULT_ENGINE_ANSWER_WINDOW_S = 30.0
 
 _EPP_SUCCESS = ("llm_d_epp_request_duration_seconds_count",
@@ -285,7 +287,7 @@ class LatencyWindow:
             error_ratio = (cur.failures - base.failures) / completed
         return LatencyBlock(
             window_s=cur.at - base.at,
-            completed=int(round(completed)),
+            completed=min(MAX_COMPLETED, int(round(completed))),
             ttft_p50_s=histogram_quantile(0.5, ttft),
             ttft_p90_s=histogram_quantile(0.9, ttft),
             tpot_s=tpot,

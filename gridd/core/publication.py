@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
+from gridd.core.admission import validate_payload
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import ReadinessTracker, Verdict
@@ -22,13 +25,14 @@ from gridd.wire import Batch
 class ScrapeSummary:
     """What gridctl and the exporter show about a provider's scraping."""
 
-    __slots__ = ("scrapes", "failures", "malformed_lines", "last_success_at", "last_failure_class",
-                 "last_failure_detail", "last_scrape_at")
+    __slots__ = ("scrapes", "failures", "malformed_lines", "invalid_payloads", "last_success_at",
+                 "last_failure_class", "last_failure_detail", "last_scrape_at")
 
     def __init__(self) -> None:
         self.scrapes = 0
         self.failures: dict[str, int] = {}
         self.malformed_lines = 0
+        self.invalid_payloads = 0
         self.last_success_at: float | None = None
         self.last_scrape_at: float | None = None
         self.last_failure_class: str | None = None
@@ -73,6 +77,7 @@ class ProviderPublisher:
         self.last_latency: LatencyBlock | None = None
         self.last_verdict: Verdict | None = None
         self.probes: dict[str, float] = {}
+        self._last_published_ms = 0
 
     def reconfigure(self, *, model: str, provider_uid: str, generation: int, pool: str | None,
                     queue_full_at: float | None) -> None:
@@ -119,26 +124,35 @@ class ProviderPublisher:
             summary.last_failure_class, summary.last_failure_detail = None, ""
         verdict = self.readiness.verdict(now, stale_after_s=stale_after_s, unavailable=unavailable)
         self.last_verdict = verdict
-        revision = None
-        if load is not None:
-            self.last_load, self.last_latency = load, latency
-            self.sequence = self._next_sequence()
-            revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, self.sequence,
-                                sample_count(load))
-        return Batch(
+        # Receivers order batches without revision metadata by published_ms: it never goes
+        # backwards for a provider, even if the wall clock steps back.
+        published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
+        self._last_published_ms = published_ms
+        batch = Batch(
             site=self.site,
             provider=self.provider,
             model=self.model,
-            published_ms=int(wall_now * 1000),
+            published_ms=published_ms,
             age_s=0.0,
-            revision=revision,
-            complete=revision is not None,
             ready=verdict.ready,
             ready_reason=verdict.reason,
-            load=load,
-            latency=latency,
             probes=dict(self.probes),
         )
+        if load is None:
+            return batch
+        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, self._next_sequence(),
+                            sample_count(load))
+        full = msgspec.structs.replace(batch, revision=revision, complete=True, load=load, latency=latency)
+        problem = validate_payload(full)
+        if problem is not None:
+            # Values receivers would reject (a negative queue, KV above 1): publish the
+            # verdict alone, so readiness still travels, and count it like a parse drop.
+            summary.invalid_payloads += 1
+            summary.last_failure_detail = f"unpublishable reading: {problem}"
+            return batch
+        self.sequence = revision.batch_sequence
+        self.last_load, self.last_latency = load, latency
+        return full
 
     def current_verdict(self, now: float, *, stale_after_s: float, unavailable: bool) -> Verdict:
         """The verdict now, between scrapes (staleness moves with time)."""

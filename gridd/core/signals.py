@@ -56,6 +56,9 @@ _VLLM_WAITING = "vllm:num_requests_waiting"
 # vllm:gpu_cache_usage_perc is the pre-0.10 name of vllm:kv_cache_usage_perc.
 _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
+MAX_READY_ENDPOINTS = 1_000_000
+"""Far above any pool; a larger exposed count is clamped here."""
+
 # Every sample the load derivation reads.
 LOAD_SAMPLES: frozenset[str] = frozenset({
     *_POOL_FAMILIES, _INFLIGHT, *_FLOW_QUEUE, _VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV,
@@ -179,7 +182,8 @@ def _inflight_per_endpoint(expo: Exposition) -> dict[tuple[str, str], float]:
 def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
                 queue_full_at: float | None) -> LoadSignals:
     ready_raw = _finite(_first_for_pool(expo, _READY, pool))
-    ready = None if ready_raw is None else max(0, int(ready_raw))
+    # Bounded: a wild value must not become an integer the wire cannot carry.
+    ready = None if ready_raw is None else min(MAX_READY_ENDPOINTS, max(0, int(ready_raw)))
 
     # Flow control labels its series with inference_pool (the --pool-name flag), which is
     # empty in endpoint-selector mode. A stock EPP serves one pool, so with one pool in the

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
+from gridd.core.readiness import Verdict
 
 LABELS = ["grid_site", "grid_provider"]
 
@@ -29,6 +30,8 @@ class ProviderCollector(Collector):
         *,
         own_site: str | None = None,
         signal_ttl_s: Callable[[], float] = lambda: 20.0,
+        own_verdict: Callable[[ProviderPublisher], Verdict] | None = None,
+        stale_after_s: Callable[[], float] | None = None,
     ) -> None:
         self.holdings = holdings
         self.publishers = publishers
@@ -37,6 +40,8 @@ class ProviderCollector(Collector):
         self.ingest_drops = ingest_drops
         self.own_site = own_site
         self.signal_ttl_s = signal_ttl_s
+        self.own_verdict = own_verdict
+        self.stale_after_s = stale_after_s
 
     def describe(self):
         return []
@@ -66,18 +71,29 @@ class ProviderCollector(Collector):
                                 "Age of the held reading (relays add their holding time).", labels=LABELS)
         now = self.now()
         ttl = self.signal_ttl_s()
+        publishers = {pub.provider: pub for pub in self.publishers()}
+        stale_after = self.stale_after_s() if self.stale_after_s is not None else ttl
         for held, qualified in self.holdings.latest():
             b = held.batch
-            if b.site != self.own_site and held.age_s(now) > ttl:
+            held_age = held.age_s(now)
+            load, latency, verdict_ready = b.load, b.latency, b.ready
+            if b.site == self.own_site:
+                pub = publishers.get(b.provider)
+                if pub is not None and self.own_verdict is not None:
+                    # Our own provider's verdict moves with time between scrapes (no scrape
+                    # within staleMetricsSeconds -> not ready), so read it now.
+                    verdict_ready = self.own_verdict(pub).ready
+                if held_age > stale_after:
+                    load = latency = None  # no reading held within the stale bound
+            elif held_age > ttl:
                 continue  # a peer's reading past the TTL: relayed as stale, not exported
             labels = [b.site, b.provider]
-            age.add_metric(labels, held.age_s(now))
-            if b.ready is not None:
-                ready.add_metric(labels, 1.0 if b.ready else 0.0)
+            age.add_metric(labels, held_age)
+            if verdict_ready is not None:
+                ready.add_metric(labels, 1.0 if verdict_ready else 0.0)
             # Load and latency come from the latest batch only: after a failed scrape the
             # operator holds no current reading, so those series are absent until the next
             # qualified batch (the verdict still shows why).
-            load, latency = b.load, b.latency
             if load is not None and load.ready_endpoints is not None:
                 endpoints.add_metric(labels, float(load.ready_endpoints))
             if load is not None and load.in_flight is not None:
@@ -104,6 +120,9 @@ class ProviderCollector(Collector):
                                        "Failed scrapes by failure class.", labels=[*LABELS, "reason"])
         malformed = CounterMetricFamily("grid_provider_parse_dropped_lines",
                                         "Exposition lines skipped as malformed.", labels=LABELS)
+        unpublishable = CounterMetricFamily(
+            "grid_provider_unpublishable_readings",
+            "Scrapes whose values receivers would reject (published as a verdict alone).", labels=LABELS)
         for pub in self.publishers():
             labels = [pub.site, pub.provider]
             s = pub.summary
@@ -111,7 +130,8 @@ class ProviderCollector(Collector):
             for reason, count in sorted(s.failures.items()):
                 failures.add_metric([*labels, reason], count)
             malformed.add_metric(labels, s.malformed_lines)
-        yield from (scrapes, failures, malformed)
+            unpublishable.add_metric(labels, s.invalid_payloads)
+        yield from (scrapes, failures, malformed, unpublishable)
         last = self.last_pass_s()
         if last is not None:
             yield GaugeMetricFamily("grid_operator_scrape_pass_duration_seconds",

@@ -27,7 +27,7 @@ from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
-from gridd.core.readiness import effective_stale_after_s
+from gridd.core.readiness import Verdict, effective_stale_after_s
 from gridd.errors import ConfigError
 from gridd.operator.exporter import ProviderCollector
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
@@ -107,6 +107,8 @@ class OperatorService:
             self.fences.drops,
             own_site=loaded.config.site,
             signal_ttl_s=lambda: self.config.timings.signal_ttl_s,
+            own_verdict=self._current_verdict,
+            stale_after_s=self._stale_after_s,
         ))
 
     @property
@@ -166,6 +168,11 @@ class OperatorService:
         # staleMetricsSeconds when longer (spec: Provider Readiness).
         return effective_stale_after_s(t.effective_stale_metrics_s, t.scrape_interval_s, last_pass)
 
+    def _current_verdict(self, publisher: ProviderPublisher) -> Verdict:
+        provider = self._providers_by_name.get(publisher.provider)
+        return publisher.current_verdict(trio.current_time(), stale_after_s=self._stale_after_s(),
+                                         unavailable=provider is not None and provider.unavailable)
+
     def _on_scrape(self, result: ScrapeResult) -> None:
         publisher = self.publishers.get(result.provider)
         provider = self._providers_by_name.get(result.provider)
@@ -191,6 +198,10 @@ class OperatorService:
         for name in [n for n in self.publishers if n not in revisions]:
             del self.publishers[name]
             self.holdings.forget(cfg.site, name)
+        for provider in cfg.providers:
+            if scrape_target(provider) is None:
+                # Disabled (or nothing to scrape): nothing current to publish or relay.
+                self.holdings.forget(cfg.site, provider.name)
         t = cfg.timings
         for provider in cfg.providers:
             rev = revisions[provider.name]
