@@ -52,6 +52,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # How long a keep-alive connection may sit without a complete request head before the server
 # closes it. Same as hypercorn's default; clients' pools (httpx: 5 s) expire at about the same age.
 DEFAULT_KEEP_ALIVE_S = 5.0
+DEFAULT_BODY_IDLE_S = 10.0
+"""A request body that stalls this long between reads is abandoned (408)."""
 # Largest request body handed to the app. OpenAI-style chat requests with long contexts stay well
 # under this; anything bigger is refused with 413.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -183,10 +185,12 @@ class _ServerState:
 
 
 class _Limits:
-    __slots__ = ("keep_alive_s", "max_body_bytes", "max_header_bytes")
+    __slots__ = ("keep_alive_s", "max_body_bytes", "max_header_bytes", "body_idle_s")
 
-    def __init__(self, keep_alive_s: float, max_body_bytes: int, max_header_bytes: int) -> None:
+    def __init__(self, keep_alive_s: float, max_body_bytes: int, max_header_bytes: int,
+                 body_idle_s: float = 10.0) -> None:
         self.keep_alive_s = keep_alive_s
+        self.body_idle_s = body_idle_s
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
 
@@ -348,6 +352,8 @@ class _H11Connection:
             return "close"
         if cycle.over_limit:
             return await self._after_failed_cycle(cycle, 413)
+        if cycle.body_timed_out:
+            return await self._after_failed_cycle(cycle, 408)
         if not cycle.complete:
             logger.error(
                 "ASGI app returned without completing the response to %s %s", scope["method"], scope["path"]
@@ -430,6 +436,7 @@ class _RequestCycle:
         "body_bytes",
         "disconnected",
         "over_limit",
+        "body_timed_out",
         "started",
         "status",
         "headers",
@@ -445,6 +452,7 @@ class _RequestCycle:
         self.body_bytes = 0
         self.disconnected = False
         self.over_limit = False
+        self.body_timed_out = False
         self.started = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -452,7 +460,7 @@ class _RequestCycle:
         self.complete = False
 
     async def receive(self) -> Message:
-        if self.disconnected or self.over_limit or self.complete:
+        if self.disconnected or self.over_limit or self.body_timed_out or self.complete:
             return {"type": "http.disconnect"}
         if not self.body_done:
             return await self._receive_body()
@@ -499,7 +507,14 @@ class _RequestCycle:
                 # Hand over what is buffered before blocking on the socket.
                 if chunks:
                     return {"type": "http.request", "body": b"".join(chunks), "more_body": True}
-                data = await self.c.receive_bytes()
+                # A client that announced a body must keep sending it: a stall this long ends
+                # the request (408 if no response started), so a trickle cannot hold a task.
+                data = None
+                with trio.move_on_after(self.c.limits.body_idle_s):
+                    data = await self.c.receive_bytes()
+                if data is None:
+                    self.body_timed_out = True
+                    return {"type": "http.disconnect"}
                 if not data:
                     self.disconnected = True
                     return {"type": "http.disconnect"}
@@ -767,6 +782,7 @@ async def serve_asgi(
     server: Literal["h11", "hypercorn"] = "h11",
     stop_accepting: trio.Event | None = None,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    body_idle_s: float = DEFAULT_BODY_IDLE_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
@@ -781,7 +797,7 @@ async def serve_asgi(
     413 and never reach the app (declared Content-Length) or end in http.disconnect (chunked).
     max_header_bytes: larger request heads get 431.
     """
-    limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes)
+    limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes, body_idle_s)
     if server == "h11":
         await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status)
     elif server == "hypercorn":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -646,3 +647,31 @@ async def test_drain_refuses_new_connections_at_once(backend):
         if backend == "h11":
             assert headers[b"connection"] == b"close"  # drain also tells the client not to reuse
         await raw.stream.aclose()
+
+
+async def test_h11_a_stalled_request_body_gets_408_and_frees_the_connection():
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope["path"])
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                return
+
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(functools.partial(serve_asgi, app, ["127.0.0.1:0"], body_idle_s=0.3))
+        host, port = urls[0].removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\nab")
+        answer = b""
+        with trio.fail_after(5):
+            while b"\r\n\r\n" not in answer:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert called == ["/upload"]
