@@ -175,12 +175,16 @@ class Daemon:
                         f"{self.loaded.path}: role/site changed ({old.role}/{old.site} -> "
                         f"{new.config.role}/{new.config.site}); restart gridd to apply", reason="config"
                     )
+                if new.config.listen.metrics != old.listen.metrics:
+                    raise GriddError(f"{self.loaded.path}: listen.metrics changed; restart gridd to apply",
+                                     reason="config")
                 if new.config.control_socket != old.control_socket:
                     raise GriddError(f"{self.loaded.path}: control_socket changed; restart gridd to apply",
                                      reason="config")
                 staged = await self.role.stage(new)
                 self.role.commit(staged)
                 self.loaded = new
+                logging.getLogger().setLevel(new.config.log_level.upper())
                 result: dict[str, Any] = {"result": "ok", "error": None}
                 log.info("reload (%s) committed: %s", source, new.path)
             except GriddError as exc:

@@ -194,3 +194,21 @@ def test_shedding_flips_after_full_after_and_back_after_room_after():
     # last saturated sample at t=4: routes again at 4 + room_after_s = 9
     assert isinstance(s.decide("m", now=8.999, rng=random.Random(1)), Shed)
     assert isinstance(s.decide("m", now=9.0, rng=random.Random(1)), Forward)
+
+
+def test_reconfigure_applies_new_knobs_and_keeps_learned_state():
+    s = store(shedding=False, signal_ttl_s=20.0)
+    feed = Feed()
+    busy = load(ready=2, running=4.0, waiting=2.0, kv=0.99)
+    for t in range(0, 4):
+        s.ingest([feed.batch("a", ld=busy)], now=float(t), now_wall=WALL)
+    learner = s.candidates[("a", "llama")].learner
+    bound_before = learner.bound
+    assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Forward)  # shedding off: route
+    s.reconfigure(signal_ttl_s=5.0, future_epoch_bound_s=60.0, capacity_floor=1.0, rho_smoothing=0.5,
+                  recent_window_s=30.0, shedding=True, full_after_s=2.0, room_after_s=5.0)
+    assert s.candidates[("a", "llama")].learner is learner and learner.bound == bound_before
+    assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Shed)  # the run since t=0 counts
+    assert s.fences.future_epoch_bound_s == 60.0
+    s.rebuild(9.5)  # a's reading (received at 3.0) is now older than the new 5 s TTL
+    assert [v.stale for v in s.snapshots["m"].ordered] == [True]

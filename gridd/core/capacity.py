@@ -154,6 +154,10 @@ class CapacityLearner:
         self._recent: deque[tuple[float, float]] = deque()
         self._learning = False
 
+    def retune(self, *, floor: float, alpha: float, recent_window_s: float) -> None:
+        """A committed reload's knobs; learned bounds and the rho history are kept."""
+        self._floor, self._alpha, self._window_s = float(floor), float(alpha), float(recent_window_s)
+
     def observe(
         self,
         now: float,

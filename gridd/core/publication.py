@@ -79,6 +79,13 @@ class ProviderPublisher:
         self.probes: dict[str, float] = {}
         self._last_published_ms = 0
 
+    def retune(self, *, latency_window_s: float, latency_min_completed: int, engine_answer_window_s: float) -> None:
+        """A committed reload's windows: readiness history kept; the latency window starts
+        over when its length or threshold changed (its baseline meant the old window)."""
+        self.readiness.retune(engine_answer_window_s=engine_answer_window_s)
+        if (latency_window_s, latency_min_completed) != (self.latency.window_s, self.latency.min_completed):
+            self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
+
     def reconfigure(self, *, model: str, provider_uid: str, generation: int, pool: str | None,
                     queue_full_at: float | None) -> None:
         """A committed reload. A new uid (delete + re-create) restarts the latency window and

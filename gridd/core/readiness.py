@@ -106,6 +106,10 @@ class ReadinessTracker:
         self._zero_streak = 0
         self._last_engine_answer_at: float | None = None
 
+    def retune(self, *, engine_answer_window_s: float) -> None:
+        """A committed reload's window; the verdict's history is kept."""
+        self._engine_answer_window_s = engine_answer_window_s
+
     def on_scrape(self, now: float, *, ready_endpoints: int | None, engine_answered: bool) -> None:
         """A successful scrape.
 

@@ -46,6 +46,10 @@ class ShedState:
         self._last_saturated: float | None = None
         self._shedding = False
 
+    def retune(self, *, full_after_s: float, room_after_s: float) -> None:
+        """A committed reload's timers; the current run and shedding state are kept."""
+        self._full_after_s, self._room_after_s = float(full_after_s), float(room_after_s)
+
     def observe(self, now: float, *, all_healthy_saturated: bool, any_sample_saturated: bool) -> None:
         """Record one ingest.
 

@@ -96,6 +96,21 @@ class GatewayStore:
         self.ingests = 0
         self.last_ingest_at: float | None = None
 
+    def reconfigure(self, *, signal_ttl_s: float, future_epoch_bound_s: float, capacity_floor: float,
+                    rho_smoothing: float, recent_window_s: float, shedding: bool, full_after_s: float,
+                    room_after_s: float) -> None:
+        """A committed reload: new knobs, same state. Learned bounds, rho history, fences
+        and shedding runs are never rebuilt (DESIGN 4)."""
+        self.signal_ttl_s = signal_ttl_s
+        self.fences.future_epoch_bound_s = future_epoch_bound_s
+        self._learner_args = {"floor": capacity_floor, "alpha": rho_smoothing, "recent_window_s": recent_window_s}
+        for cand in self.candidates.values():
+            cand.learner.retune(**self._learner_args)
+        self.shedding_enabled = shedding
+        self._shed_args = (full_after_s, room_after_s)
+        for shed in self.shed.values():
+            shed.retune(full_after_s=full_after_s, room_after_s=room_after_s)
+
     # -- poll side ------------------------------------------------------------------------------
 
     def set_serving(self, serving: ServingConfig) -> None:

@@ -53,6 +53,16 @@ def load_gateway_tls(loaded: LoadedConfig, wall: float) -> TLSMaterial | None:
     )
 
 
+def store_knobs(cfg: Config) -> dict[str, Any]:
+    t, shedding = cfg.timings, cfg.availability.shedding
+    return {
+        "signal_ttl_s": t.signal_ttl_s, "future_epoch_bound_s": t.future_epoch_bound_s,
+        "capacity_floor": cfg.routing.capacity_floor, "rho_smoothing": cfg.routing.rho_smoothing,
+        "recent_window_s": cfg.routing.recent_window_s, "shedding": shedding.enabled,
+        "full_after_s": shedding.full_after_ms / 1000, "room_after_s": shedding.room_after_ms / 1000,
+    }
+
+
 class StoreRouter:
     """The Router the front calls: the store's decision at trio's current time."""
 
@@ -137,14 +147,7 @@ class GatewayService:
         self._transport = transport
         self._ingress_transport = ingress_transport
         self._open_operator_link = open_operator_link or self._dial_operator
-        cfg = loaded.config
-        t, shedding = cfg.timings, cfg.availability.shedding
-        self.store = GatewayStore(
-            site=cfg.site, signal_ttl_s=t.signal_ttl_s, future_epoch_bound_s=t.future_epoch_bound_s,
-            capacity_floor=cfg.routing.capacity_floor, rho_smoothing=cfg.routing.rho_smoothing,
-            recent_window_s=cfg.routing.recent_window_s, shedding=shedding.enabled,
-            full_after_s=shedding.full_after_ms / 1000, room_after_s=shedding.room_after_ms / 1000,
-        )
+        self.store = GatewayStore(site=loaded.config.site, **store_knobs(loaded.config))
         self.router = StoreRouter(self.store, self.rng, lambda: self._serving)
         self.tls: TLSMaterial | None = None
         self.front_urls: list[str] = []
@@ -260,6 +263,8 @@ class GatewayService:
         self.store.rebuild(now)
 
     async def stage(self, new: LoadedConfig) -> StagedGateway:
+        if new.config.listen.http != self.config.listen.http:
+            raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
         if new.config.tls is None:
             raise GriddError("tls: a gateway needs its certificate to poll its operator; keeping the old config",
                              reason="config")
@@ -269,6 +274,7 @@ class GatewayService:
     def commit(self, staged: StagedGateway) -> None:
         old = self.config
         self.loaded = staged.loaded
+        self.store.reconfigure(**store_knobs(self.config))
         restart = staged.tls is not None and (
             self.tls is None or staged.tls.fingerprint_sha256 != self.tls.fingerprint_sha256)
         self.tls = staged.tls

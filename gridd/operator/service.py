@@ -218,10 +218,15 @@ class OperatorService:
             else:
                 existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
                                      pool=pool, queue_full_at=queue_full_at)
+                existing.retune(latency_window_s=t.latency_window_s, latency_min_completed=t.latency_min_completed,
+                                engine_answer_window_s=t.engine_answer_window_s)
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
         cfg, old = new.config, self.config
         check_signals_config(cfg)
+        if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
+            # The HTTP pool is sized to the limiter at start (it must never be the smaller).
+            raise ConfigError("timings.scrape_concurrency: changed; restart gridd to apply")
         if cfg.listen.signals != old.listen.signals:
             raise ConfigError("listen.signals: changed; restart gridd to apply")
         if (cfg.tls is None) != (old.tls is None):
@@ -235,6 +240,10 @@ class OperatorService:
     def commit(self, staged: StagedOperator) -> None:
         old = self.config
         self.loaded = staged.loaded
+        t = self.config.timings
+        self.fences.future_epoch_bound_s = t.future_epoch_bound_s
+        if self.pool is not None:
+            self.pool.body_cap = t.body_cap_bytes
         self._apply_providers(staged.revisions)
         # New connections use the new contexts (the server reads them per connection);
         # pollers restart only when the material or the trust domain changed.
