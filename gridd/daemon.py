@@ -70,6 +70,7 @@ class Daemon:
         self._reload_wanted = trio.Event()
         self._stop_requested = trio.Event()
         self._draining = False
+        self._started = False
         self._reloads = Counter(
             "gridd_config_reloads", "Staged config reloads by result.", ["result"], registry=self.registry
         )
@@ -107,6 +108,7 @@ class Daemon:
             if self.notifier.watchdog_interval_s is not None:
                 root.start_soon(self._watchdog, self.notifier.watchdog_interval_s, name="watchdog")
             # STYLE 5: every server above called started() only once it could serve.
+            self._started = True
             self.notifier.ready()
             log.info("ready: role=%s site=%s config=%s control=%s", cfg.role, cfg.site,
                      self.loaded.path, self.control_path)
@@ -165,6 +167,13 @@ class Daemon:
     async def reload(self, *, source: str) -> dict[str, Any]:
         """Decode and validate, stage role-specific checks, and only then commit. A rejected
         reload changes and publishes nothing and keeps serving the old config."""
+        if not self._started or self._draining:
+            # Before READY=1 the role is still building its state from this very file; while
+            # draining a reload would tell systemd READY=1 after STOPPING=1. Neither is useful.
+            state = "still starting" if not self._started else "draining"
+            log.warning("reload (%s) refused: gridd is %s", source, state)
+            return {"result": "error", "error": f"gridd is {state}; reload refused", "at": time.time(),
+                    "source": source}
         async with self._reload_lock:
             self.notifier.reloading()
             try:

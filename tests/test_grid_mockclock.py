@@ -312,3 +312,22 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
     assert isinstance(grid.gateway.router.decide("m"), Shed)
     await trio.sleep_until(o + 24.5)
     assert isinstance(grid.gateway.router.decide("m"), Forward)
+
+
+async def test_gateway_certificate_rotation_restarts_only_the_link_and_keeps_the_store(grid, autojump_clock, tmp_path):
+    o = grid.origin
+    await trio.sleep_until(o + 6.0)
+    store, learner = grid.gateway.store, grid.gateway.store.candidates[("a", "pool-a")].learner
+    inner, generation = grid.gateway._ingress.inner, grid.gateway._poller_generation
+    write_certs(tmp_path / "certs", WALL0 + 6.0)  # a new CA and new certificates: a rotation
+    autojump_clock.autojump_threshold = math.inf  # stage() checks files in a worker thread
+    staged = await grid.gateway.stage(load_config(tmp_path / "gw-a.yaml", env={}))
+    grid.gateway.commit(staged)
+    autojump_clock.autojump_threshold = 0
+    assert grid.gateway._poller_generation == generation + 1 and grid.gateway._ingress.inner is not inner
+    assert grid.gateway.store is store and store.candidates[("a", "pool-a")].learner is learner
+    # an unchanged reload restarts nothing
+    autojump_clock.autojump_threshold = math.inf
+    grid.gateway.commit(await grid.gateway.stage(load_config(tmp_path / "gw-a.yaml", env={})))
+    autojump_clock.autojump_threshold = 0
+    assert grid.gateway._poller_generation == generation + 1

@@ -377,3 +377,25 @@ class UpstreamBody:
             await self._chunks.aclose()  # type: ignore[attr-defined]
         finally:
             await self.response.aclose()
+
+
+class SwappableTransport(httpx.AsyncBaseTransport):
+    """A transport whose inner transport a committed reload can replace (a rotated client
+    certificate for other sites' ingress). Requests in flight finish on the transport they
+    started on; retired ones are closed with this one."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self._retired: list[httpx.AsyncBaseTransport] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.inner.handle_async_request(request)
+
+    def swap(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._retired.append(self.inner)
+        self.inner = inner
+
+    async def aclose(self) -> None:
+        for transport in (self.inner, *self._retired):
+            await transport.aclose()
+        self._retired.clear()

@@ -9,6 +9,7 @@ WAN connections are proportional to the operators, not to the gateways.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -28,7 +29,7 @@ from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.store import GatewayStore, excluded_reason
 from gridd.errors import GriddError
-from gridd.gateway.forward import make_upstream_transport
+from gridd.gateway.forward import SwappableTransport, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
@@ -40,6 +41,19 @@ log = logging.getLogger("gridd.gateway")
 class StagedGateway(msgspec.Struct, frozen=True):
     loaded: LoadedConfig
     tls: TLSMaterial | None
+    tls_digest: str = ""
+
+
+def tls_files_digest(loaded: LoadedConfig) -> str:
+    """Certificate, key and CA bundle together: a change to any of them (a CA rotation
+    too) is a new identity for this gateway's connections."""
+    cfg = loaded.config
+    if cfg.tls is None:
+        return ""
+    digest = hashlib.sha256()
+    for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca):
+        digest.update(loaded.resolve(path).read_bytes())
+    return digest.hexdigest()
 
 
 def load_gateway_tls(loaded: LoadedConfig, wall: float) -> TLSMaterial | None:
@@ -150,6 +164,8 @@ class GatewayService:
         self.store = GatewayStore(site=loaded.config.site, **store_knobs(loaded.config))
         self.router = StoreRouter(self.store, self.rng, lambda: self._serving)
         self.tls: TLSMaterial | None = None
+        self._tls_digest = ""
+        self._ingress: SwappableTransport | None = None
         self.front_urls: list[str] = []
         self.poll_results: dict[str, int] = {"ok": 0}
         self.operator_state = "not polling"
@@ -174,8 +190,10 @@ class GatewayService:
                              reason="config")
         # Forwarding transports: this site's providers, and other sites' ingress (verified
         # against the grid CA, presenting this gateway's certificate, when it is https).
+        self._tls_digest = await trio.to_thread.run_sync(tls_files_digest, self.loaded)
         transport = self._transport or make_upstream_transport()
-        ingress = self._ingress_transport or make_upstream_transport(verify=self.tls.client_context)
+        ingress = self._ingress = SwappableTransport(
+            self._ingress_transport or make_upstream_transport(verify=self.tls.client_context))
         async with transport, ingress, trio.open_nursery() as nursery:
             if self.config.listen.http:
                 app = make_front_app(self.router, transport, self.registry, rng=self.rng,
@@ -269,15 +287,18 @@ class GatewayService:
             raise GriddError("tls: a gateway needs its certificate to poll its operator; keeping the old config",
                              reason="config")
         tls = await trio.to_thread.run_sync(load_gateway_tls, new, self.wall())
-        return StagedGateway(new, tls)
+        digest = await trio.to_thread.run_sync(tls_files_digest, new)
+        return StagedGateway(new, tls, digest)
 
     def commit(self, staged: StagedGateway) -> None:
         old = self.config
         self.loaded = staged.loaded
         self.store.reconfigure(**store_knobs(self.config))
-        restart = staged.tls is not None and (
-            self.tls is None or staged.tls.fingerprint_sha256 != self.tls.fingerprint_sha256)
-        self.tls = staged.tls
+        restart = staged.tls is not None and staged.tls_digest != self._tls_digest
+        self.tls, self._tls_digest = staged.tls, staged.tls_digest
+        if restart and self._ingress is not None and staged.tls is not None:
+            # Other sites' ingress: new connections present the rotated certificate.
+            self._ingress.swap(make_upstream_transport(verify=staged.tls.client_context))
         if restart or old.operator != self.config.operator:
             self._poller_generation += 1
             if self._poller_scope is not None:
