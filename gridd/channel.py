@@ -316,6 +316,10 @@ class _Socket:
             frame = encode(msg)
         except WireEncodeError as exc:
             raise ChannelError(f"{self.where}: {exc}", reason="protocol") from exc
+        await self.send_frame(frame)
+
+    async def send_frame(self, frame: bytes) -> None:
+        """A message the caller already encoded (gridd.wire.encode)."""
         try:
             await self._ws.send_message(frame)
         except trio_websocket.ConnectionClosed as exc:

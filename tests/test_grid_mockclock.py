@@ -98,8 +98,11 @@ class MemorySession:
             raise ChannelError("closed", reason="connect") from None
 
     async def send(self, msg: wire.Message) -> None:
+        await self.send_frame(wire.encode(msg))
+
+    async def send_frame(self, frame: bytes) -> None:
         try:
-            await self._out.send(wire.encode(msg))
+            await self._out.send(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise ChannelError("closed", reason="connect") from None
 
@@ -331,3 +334,18 @@ async def test_gateway_certificate_rotation_restarts_only_the_link_and_keeps_the
     grid.gateway.commit(await grid.gateway.stage(load_config(tmp_path / "gw-a.yaml", env={})))
     autojump_clock.autojump_threshold = 0
     assert grid.gateway._poller_generation == generation + 1
+
+
+async def test_a_batch_the_wire_cannot_carry_does_not_blind_the_gateway(grid, autojump_clock):
+    from gridd.core.readings import Revision
+
+    o = grid.origin
+    await trio.sleep_until(o + 6.0)
+    bad = wire.Batch(site="a", provider="broken", model="m", published_ms=1, age_s=0.0,
+                     revision=Revision("u", 1, 2**70, 1, 0))  # an integer no 64-bit wire carries
+    grid.operators["a"].holdings.hold(bad, trio.current_time())
+    await trio.sleep_until(o + 8.0)
+    assert sorted(grid.ordered_sites()) == ["a", "b"]  # the good batches still arrive
+    assert grid.gateway.operator_state == "up"
+    reg = grid.operators["a"].registry
+    assert reg.get_sample_value("grid_signals_unsendable_batches_total") >= 1

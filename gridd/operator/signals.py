@@ -46,6 +46,7 @@ from gridd.core.holdings import Holdings
 from gridd.errors import ConfigError
 from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material
 from gridd.wire import (
+    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Batch,
     Batches,
@@ -59,6 +60,8 @@ from gridd.wire import (
     ServingConfig,
     SiteIngress,
     SourceKey,
+    WireEncodeError,
+    encode,
     protocol_refusal,
 )
 
@@ -95,6 +98,14 @@ class SignalsMetrics:
         )
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason)
+        self.unsendable = Counter(
+            "grid_signals_unsendable_batches",
+            "Held batches left out of an answer because the wire could not carry them.",
+            registry=registry,
+        )
+
+    def count_unsendable(self) -> None:
+        self.unsendable.inc()
 
     def count_refused(self, reason: str) -> None:
         self.refused.labels(reason if reason in REFUSAL_REASONS else "protocol").inc()
@@ -233,6 +244,23 @@ class SignalsEndpoint:
         self.wall = wall
         self.open_connections: dict[PeerRole, int] = {"peer": 0, "gateway": 0}
 
+    def _encodable(self, answer: Batches, exc: WireEncodeError) -> Batches:
+        keep: list[Batch] = []
+        size = 0
+        for batch in answer.batches:
+            try:
+                size += len(encode(msgspec.structs.replace(answer, batches=(batch,), unchanged=())))
+            except WireEncodeError:
+                self.metrics.count_unsendable()
+                continue
+            if size > MAX_FRAME_BYTES // 2:
+                self.metrics.count_unsendable()
+                continue
+            keep.append(batch)
+        log.error("signals: answer could not be encoded whole (%s); sending %d of %d batches",
+                  exc, len(keep), len(answer.batches))
+        return msgspec.structs.replace(answer, batches=tuple(keep))
+
     async def _refuse(self, session: SignalsSession, error: Error, *, counted_as: str | None = None) -> None:
         reason = counted_as or error.reason
         log.info("signals: refusing %s (%s): %s", session.where, reason, error.detail)
@@ -290,8 +318,19 @@ class SignalsEndpoint:
                         # every other site directly and attributes each to its identity.
                         held = self.holdings.relay(now, site=cfg.site)
                     batches, unchanged = _apply_cursors(held, cursors)
-                    await session.send(Batches(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
-                                               batches=batches, unchanged=unchanged))
+                    answer = Batches(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
+                                     batches=batches, unchanged=unchanged)
+                    try:
+                        frame_ok = encode(answer)
+                    except WireEncodeError as exc:
+                        # One batch the wire cannot carry (or too many for one frame) must not
+                        # blind every poller: send what encodes, count and log the rest.
+                        answer = self._encodable(answer, exc)
+                        frame_ok = None
+                    if frame_ok is None:
+                        await session.send(answer)
+                    else:
+                        await session.send_frame(frame_ok)
                 case FeedbackReport(reporter_epoch=epoch, sequence=sequence) if role == "gateway":
                     await session.send(FeedbackAck(reporter_epoch=epoch, sequence=sequence,
                                                    status=FEEDBACK_NOT_IMPLEMENTED,
