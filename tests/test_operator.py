@@ -324,3 +324,14 @@ async def test_own_series_go_stale_on_metrics_when_scraping_stops(tmp_path, auto
         assert rig.sample("grid_provider_in_flight_requests") is None
         assert rig.sample("grid_provider_ready_endpoints") is None
         nursery.cancel_scope.cancel()
+
+
+def test_a_body_of_too_many_lines_fails_as_parse_before_parsing():
+    from gridd.core.publication import MAX_EXPOSITION_LINES, ProviderPublisher
+
+    pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1, publisher_epoch=7,
+                            created_at=0.0, next_sequence=iter(range(1, 9)).__next__)
+    batch = pub.on_scrape(now=1.0, wall_now=1000.0, body=b"a\n" * (MAX_EXPOSITION_LINES + 1), failure_class=None,
+                          stale_after_s=10, unavailable=False)
+    assert batch.revision is None and pub.summary.failures == {"parse": 1}
+    assert pub.summary.malformed_lines == 0  # never parsed

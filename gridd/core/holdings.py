@@ -38,10 +38,6 @@ class Holdings:
         self._latest.pop((site, provider), None)
         self._qualified.pop((site, provider), None)
 
-    def forget_site(self, site: str) -> None:
-        for key in [k for k in self._latest if k[0] == site]:
-            self.forget(*key)
-
     def expire(self, now: float, ttl_s: float, *, keep_site: str | None = None) -> list[tuple[str, str]]:
         """Drop readings older than the signal TTL (a series the operator does not hold is
         absent, not 0). The operator's own site is kept: its batches refresh every pass and

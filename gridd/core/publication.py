@@ -21,6 +21,11 @@ from gridd.core.readings import LatencyBlock, LoadSignals, Revision
 from gridd.core.signals import WANTED_SAMPLES, derive_load, sample_count
 from gridd.wire import Batch
 
+MAX_EXPOSITION_LINES = 50_000
+"""A body over this many lines fails as ``parse`` before it is parsed. 1 MiB of real EPP
+metrics is about 5 500 lines (labelled lines run to ~200 bytes); 50 000 one-letter junk
+lines cost the parser ~40 ms on the event loop, the most a scrape may take there."""
+
 
 class ScrapeSummary:
     """What gridctl and the exporter show about a provider's scraping."""
@@ -111,6 +116,10 @@ class ProviderPublisher:
         summary.last_scrape_at = now
         load: LoadSignals | None = None
         latency: LatencyBlock | None = None
+        if failure_class is None and body is not None and body.count(b"\n") > MAX_EXPOSITION_LINES:
+            # No real exposition has this many lines in 1 MiB (its lines run to tens of bytes);
+            # parsing such a body would hold the event loop for a noticeable time.
+            failure_class, failure_detail = "parse", f"more than {MAX_EXPOSITION_LINES} lines"
         if failure_class is None and body is not None:
             expo = parse_exposition(body, WANTED_SAMPLES)
             summary.malformed_lines += expo.malformed_lines

@@ -374,9 +374,10 @@ class FrontApp:
             await _send_error(send, 400, "the request body must be a JSON object",
                               type_="invalid_request_error", code="invalid_json")
             return
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             metrics.request(OTHER_MODEL, NO_SITE, "bad_request")
-            await _send_error(send, 400, f"the request body is not valid JSON: {exc}",
+            detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            await _send_error(send, 400, f"the request body is not valid JSON: {detail}",
                               type_="invalid_request_error", code="invalid_json")
             return
         if not isinstance(model, str) or not model:
