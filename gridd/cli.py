@@ -124,6 +124,9 @@ def _gridctl_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
     reload = sub.add_parser("reload", help="reload the config file (staged: a bad file changes nothing)")
     reload.add_argument("--json", action="store_true", help="print JSON")
+    clear = sub.add_parser("clear-feedback", help="operator: resolve GatewayAgesRejected (one replica or all)")
+    clear.add_argument("--replica", help="the gateway replica (default: every replica)")
+    clear.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -152,7 +155,8 @@ def gridctl_main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         path = _socket_path(args)
-        reply = request(path, args.command)
+        extra = {"replica": args.replica} if args.command == "clear-feedback" and args.replica else {}
+        reply = request(path, args.command, **extra)
     except GriddError as exc:
         print(f"gridctl: {exc}", file=sys.stderr)
         return EXIT_FAIL
@@ -160,6 +164,8 @@ def gridctl_main(argv: list[str] | None = None) -> int:
         print(json.dumps(reply, indent=2, sort_keys=True, default=str))
     elif args.command == "status" and reply.get("ok"):
         print(format_status(reply["status"]))
+    elif args.command == "clear-feedback" and reply.get("ok"):
+        print(f"cleared: {', '.join(reply['cleared']) or 'nothing was unresolved'}")
     elif args.command == "reload":
         outcome = reply.get("reload", {})
         if outcome.get("result") == "ok":

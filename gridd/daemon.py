@@ -217,7 +217,19 @@ class Daemon:
         if cmd == "reload":
             outcome = await self.reload(source="gridctl")
             return {"ok": outcome["result"] == "ok", "reload": outcome}
-        return {"ok": False, "error": f"unknown command {cmd!r} (status, reload)"}
+        if cmd == "clear-feedback":
+            clear = getattr(self.role, "clear_gateway_evidence", None)
+            if clear is None:
+                return {"ok": False, "error": "clear-feedback is an operator command"}
+            replica = request.get("replica")
+            if replica is not None and not isinstance(replica, str):
+                return {"ok": False, "error": "replica must be a string"}
+            try:
+                cleared = await clear(replica)
+            except GriddError as exc:
+                return {"ok": False, "error": str(exc)}
+            return {"ok": True, "cleared": cleared}
+        return {"ok": False, "error": f"unknown command {cmd!r} (status, reload, clear-feedback)"}
 
     def status(self) -> dict[str, Any]:
         cfg = self.loaded.config

@@ -57,6 +57,11 @@ def test_example_configs_run(tmp_path):
             assert time.monotonic() < end, "gateway never reached its operator"
             time.sleep(0.2)
 
+        cleared = gridctl(op_sock, "clear-feedback")
+        assert cleared.returncode == 0 and cleared.stdout.strip() == "cleared: nothing was unresolved"
+        wrong_role = gridctl(gw_sock, "clear-feedback", "--replica", "g1")
+        assert wrong_role.returncode == 1 and "operator command" in wrong_role.stderr
+
         good = (ws / "operator.yaml").read_text()
         (ws / "operator.yaml").write_text(good.replace("scrape_interval_s: 1", "scrape_interval_s: -1"))
         procs["operator"].send_signal(signal.SIGHUP)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -27,13 +28,14 @@ from prometheus_client.registry import Collector
 from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer
 from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
+from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, excluded_reason
 from gridd.errors import GriddError
 from gridd.gateway.forward import SwappableTransport, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
-from gridd.wire import PROTOCOL_VERSION, Batches, Error, Poll, ServingConfig
+from gridd.wire import PROTOCOL_VERSION, Batches, Error, FeedbackAck, Poll, ServingConfig
 
 log = logging.getLogger("gridd.gateway")
 
@@ -138,6 +140,20 @@ class GatewayCollector(Collector):
         for model, shed in svc.store.shed.items():
             shedding.add_metric([model], 1.0 if svc.store.shedding_enabled and shed.shedding(now) else 0.0)
         yield shedding
+        reporter = svc.reporter
+        # Spec: "report contents never become metric labels": reasons only.
+        failures = CounterMetricFamily("grid_signals_feedback_failures",
+                                       "Failed feedback report deliveries to the local operator, by reason.",
+                                       labels=["reason"])
+        for reason in FAILURE_REASONS:
+            failures.add_metric([reason], reporter.failures[reason])
+        yield failures
+        yield CounterMetricFamily("grid_signals_feedback_delivered",
+                                  "Feedback reports the local operator acknowledged as accepted.",
+                                  value=reporter.delivered)
+        yield GaugeMetricFamily("grid_signals_feedback_pending_evidence",
+                                "Skew-rejected batches not yet acknowledged by the local operator.",
+                                value=reporter.pending_evidence)
 
 
 class GatewayService:
@@ -151,9 +167,11 @@ class GatewayService:
         transport: httpx.AsyncBaseTransport | None = None,
         ingress_transport: httpx.AsyncBaseTransport | None = None,
         open_operator_link: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        reporter_epoch: int | None = None,
     ) -> None:
         """open_operator_link: the connection to the operator (tests pass an in-memory one);
-        by default a SignalsDialer over mutual TLS to ``operator.url``."""
+        by default a SignalsDialer over mutual TLS to ``operator.url``.
+        reporter_epoch: the feedback reporter's process epoch; random (63 bits) by default."""
         self.loaded = loaded
         self.registry = registry
         self.wall = wall
@@ -175,6 +193,11 @@ class GatewayService:
         self._front_done = trio.Event()
         self._poller_scope: trio.CancelScope | None = None
         self._poller_generation = 0
+        # The skew-rejection reporter (spec: Gateway rejection reports). Its random process
+        # epoch, sequence, cumulative count and pending evidence "survive committed poller
+        # and certificate reloads": built once here, never by commit().
+        self.reporter = FeedbackReporter(secrets.randbits(63) if reporter_epoch is None else reporter_epoch)
+        self._feedback_failing: str | None = None
         registry.register(GatewayCollector(self))
 
     @property
@@ -264,6 +287,12 @@ class GatewayService:
                     self.store.set_serving(reply)
                 elif isinstance(reply, Batches):
                     self.store.ingest(reply.batches, now=now, now_wall=self.wall())
+                    # Spec: "The reporter folds a committed observation before refresh and
+                    # cancellation, so replacing a poller during refresh cannot lose a
+                    # genuine skew drop." No checkpoint lies between the ingest and this
+                    # fold, so no cancellation can come between them.
+                    fences = self.store.fences
+                    self.reporter.observe(fences.drops()["skew"], fences.skew_evidence())
                 elif isinstance(reply, Error):
                     failure, detail = "refused", f"operator refused: {reply.reason}: {reply.detail}"
         if failure is None:
@@ -271,14 +300,46 @@ class GatewayService:
             if self.operator_state != "up":
                 log.info("operator %s: polling", self.config.operator.url)
             self.operator_state, self.last_poll_error = "up", None
-            return
-        self.poll_results[failure] = self.poll_results.get(failure, 0) + 1
-        if self.operator_state == "up" or self.last_poll_error is None:
-            log.warning("operator %s: poll failed (%s): %s", self.config.operator.url, failure, detail)
-        self.operator_state, self.last_poll_error = "down", f"{failure}: {detail}"
-        # Readings keep ageing while the operator is unreachable: re-score so stale sites
-        # sort last (loss of signal degrades to least preferred, not to idle).
-        self.store.rebuild(now)
+        else:
+            self.poll_results[failure] = self.poll_results.get(failure, 0) + 1
+            if self.operator_state == "up" or self.last_poll_error is None:
+                log.warning("operator %s: poll failed (%s): %s", self.config.operator.url, failure, detail)
+            self.operator_state, self.last_poll_error = "down", f"{failure}: {detail}"
+            # Readings keep ageing while the operator is unreachable: re-score so stale sites
+            # sort last (loss of signal degrades to least preferred, not to idle).
+            self.store.rebuild(now)
+        # Spec: "Failed fetches create no clean observation, but can retry pending bad
+        # evidence." The poll's own result is settled above: a failed report never
+        # turns a successful poll into a failed one.
+        await self._report_feedback(dialer, after_failed_fetch=failure is not None)
+
+    async def _report_feedback(self, dialer, *, after_failed_fetch: bool) -> None:
+        """Deliver the reporter's pending report, if any, in its own bounded exchange on the
+        poller's connection (the dialer serializes exchanges). Spec: "Reporting has its own
+        bounded exchange and does not turn a successful scrape into a failed scrape"."""
+        report = self.reporter.next_report(after_failed_fetch=after_failed_fetch)
+        if report is None:
+            return  # spec: "a cycle with no pending report adds no failure"
+        budget_s = self.config.timings.gateway_poll_budget_s
+        outcome: Delivery | None = None
+        with trio.move_on_after(budget_s):
+            try:
+                replies = await dialer.exchange(report)
+            except ChannelError as exc:
+                # Connection, TLS/identity, a refusal or a protocol error: "transport".
+                outcome = self.reporter.on_failure("transport", f"{exc.reason}: {exc}")
+            else:
+                acks = [r for r in replies if isinstance(r, FeedbackAck)]
+                outcome = self.reporter.on_ack(acks[0] if len(acks) == 1 else None)
+        if outcome is None:
+            outcome = self.reporter.on_failure("timeout", f"no acknowledgment within {budget_s:g} s")
+        # Logged on a change only (failing, failing for another reason, delivered again).
+        if outcome.failed and outcome.result != self._feedback_failing:
+            log.warning("operator %s: feedback report %d not delivered (%s): %s", self.config.operator.url,
+                        report.sequence, outcome.result, outcome.detail)
+        elif not outcome.failed and self._feedback_failing is not None:
+            log.info("operator %s: feedback reports delivered again", self.config.operator.url)
+        self._feedback_failing = outcome.result if outcome.failed else None
 
     async def stage(self, new: LoadedConfig) -> StagedGateway:
         if new.config.listen.http != self.config.listen.http:
@@ -337,4 +398,5 @@ class GatewayService:
             "shedding": sorted(m for m, s in store.shed.items() if store.shedding_enabled and s.shedding(now)),
             "candidates": candidates,
             "ingest_drops": store.fences.drops(),
+            "feedback": self.reporter.status(),
         }

@@ -7,7 +7,9 @@ Server side (``SignalsEndpoint.handle``, one call per authenticated connection):
     own gateway     a gateway of this operator's own site:
                     Poll -> ServingConfig (first poll, then whenever it changed),
                             Batches with every site's batches;
-                    FeedbackReport -> FeedbackAck(status="not_implemented").
+                    FeedbackReport -> FeedbackAck from the feedback intake, keyed by
+                            the gateway's verified replica (docs/feedback.md);
+                            status="not_implemented" when the endpoint has none.
     anyone else     Error(reason="identity" | "forbidden"), then close.
 
     Authorization is by the verified certificate identity and is re-checked on every
@@ -31,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Final, Literal, Protocol
 
@@ -78,9 +80,13 @@ EXPIRE_EVERY_S: Final = 1.0
 RELAY_RETENTION_TTLS = 2.0
 """A peer's reading is relayed (stale) until this many signal TTLs old, then forgotten."""
 
-# The answer to a feedback report until the feedback intake exists: a defined status
-# that the gateway's reporter counts as not accepted (DESIGN 5b).
+# The answer to a feedback report from an endpoint built without a feedback intake: a
+# defined status that the gateway's reporter counts as not accepted (DESIGN 5b).
 FEEDBACK_NOT_IMPLEMENTED: Final = "not_implemented"
+
+# Takes one report from a verified gateway of this site and answers it (the operator's
+# evidence ledger, gridd.operator.service.OperatorService.take_feedback).
+FeedbackIntake = Callable[[PeerIdentity, FeedbackReport], Awaitable[FeedbackAck]]
 
 PeerRole = Literal["peer", "gateway"]
 
@@ -237,11 +243,13 @@ class SignalsEndpoint:
         holdings: Holdings,
         metrics: SignalsMetrics,
         wall: Callable[[], float],
+        feedback: FeedbackIntake | None = None,
     ) -> None:
         self.config = config
         self.holdings = holdings
         self.metrics = metrics
         self.wall = wall
+        self.feedback = feedback
         self.open_connections: dict[PeerRole, int] = {"peer": 0, "gateway": 0}
 
     def _encodable(self, answer: Batches, exc: WireEncodeError) -> Batches:
@@ -332,9 +340,15 @@ class SignalsEndpoint:
                     else:
                         await session.send_frame(frame_ok)
                 case FeedbackReport(reporter_epoch=epoch, sequence=sequence) if role == "gateway":
-                    await session.send(FeedbackAck(reporter_epoch=epoch, sequence=sequence,
-                                                   status=FEEDBACK_NOT_IMPLEMENTED,
-                                                   detail="this operator does not take feedback reports yet"))
+                    # Spec: "Feedback is scoped to the verified local operator identity":
+                    # classify() let only this site's gateways this far, and the intake
+                    # keys what it keeps by the replica their certificate names.
+                    if self.feedback is None:
+                        ack = FeedbackAck(reporter_epoch=epoch, sequence=sequence, status=FEEDBACK_NOT_IMPLEMENTED,
+                                          detail="this operator does not take feedback reports yet")
+                    else:
+                        ack = await self.feedback(session.identity, msg)
+                    await session.send(ack)
                 case FeedbackReport():
                     await self._refuse(session, Error("forbidden", "only this site's gateways send feedback"))
                     return
