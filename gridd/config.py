@@ -21,6 +21,7 @@ import msgspec
 import msgspec.inspect
 import yaml
 
+from gridd.core.probes import regex_hazard
 from gridd.errors import ConfigError
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -413,6 +414,9 @@ def _check_semantics(cfg: Config) -> None:
                         fail(f"{rwhere}.regex", f"invalid regular expression: {exc}")
                     if compiled.groups < 2:
                         fail(f"{rwhere}.regex", "expected two capture groups (name, then value)")
+                    hazard = regex_hazard(rule.regex)
+                    if hazard is not None:
+                        fail(f"{rwhere}.regex", hazard)
             for k, sink in enumerate(probe.publish):
                 if sink.to == "file" and not sink.path:
                     fail(f"{where}.publish[{k}].path", "a file sink needs a path")

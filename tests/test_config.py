@@ -97,6 +97,9 @@ providers:
          "providers[0].settings.probes[0].extract[0].regex: expected two capture groups"),
         ("role: operator\nsite: a\nproviders:\n - {name: x, model: m, settings: {endpoint: 'ftp://h'}}\n",
          "providers[0].settings.endpoint: expected a string matching regex"),
+        ("role: operator\nsite: a\nproviders:\n - {name: x, model: m, settings: {endpoint: 'http://h/v1', "
+         "probes: [{name: p, extract: [{regex: '((a+)+)(b)'}]}]}}\n",
+         "providers[0].settings.probes[0].extract[0].regex: a variable-length repeat inside an unbounded one"),
         ("role: operator\nsite: a\ntimings: {peer_poll_interval_s: 20}\n",
          "timings.peer_poll_budget_s: expected a budget at least as long as peer_poll_interval_s"),
         ("- just\n- a list\n", "(top level): expected a mapping, got a list"),

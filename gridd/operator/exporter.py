@@ -1,4 +1,4 @@
-"""grid_provider_* on the operator's /metrics: a collector over what the operator holds.
+"""grid_provider_* and grid_probe_* on the operator's /metrics: collectors over what it holds.
 
 Families are built at scrape time from the holdings (STYLE 11), so a series the operator
 does not hold is absent, not 0: unknown readiness has no grid_provider_ready; a provider
@@ -8,6 +8,7 @@ with no fresh endpoint has no in-flight; latency needs 20 completed requests in 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -143,3 +144,46 @@ class ProviderCollector(Collector):
             for reason, count in sorted(self.ingest_drops().items()):
                 drops.add_metric([reason], count)
             yield drops
+
+
+PROBE_LABELS = ["grid_site", "grid_provider", "probe"]
+
+
+class ProbeCollector(Collector):
+    """grid_probe_* (spec 004): per configured probe, from the runner's counters at scrape
+    time. Probe names come from config, so the label set is bounded; a probe that is not
+    running (removed, disabled, drained) has no series."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[tuple[tuple[str, str], Any]]], *, own_site: str) -> None:
+        self.snapshot = snapshot
+        self.own_site = own_site
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ticks = CounterMetricFamily("grid_probe_ticks", "Probe ticks run (each is one request).",
+                                    labels=PROBE_LABELS)
+        failures = CounterMetricFamily("grid_probe_failures", "Failed probe ticks by failure class.",
+                                       labels=[*PROBE_LABELS, "reason"])
+        skipped = CounterMetricFamily("grid_probe_skipped_ticks",
+                                      "Scheduled ticks skipped because the previous tick overran them.",
+                                      labels=PROBE_LABELS)
+        dropped = CounterMetricFamily("grid_probe_dropped_series",
+                                      "Extracted names dropped because the probe held max_series series "
+                                      "(counted every tick they appear).", labels=PROBE_LABELS)
+        sink_errors = CounterMetricFamily("grid_probe_sink_errors", "Failed sink writes by sink.",
+                                          labels=[*PROBE_LABELS, "sink"])
+        series = GaugeMetricFamily("grid_probe_series", "Series the probe holds a window for.",
+                                   labels=PROBE_LABELS)
+        for (provider, probe), stats in self.snapshot():
+            labels = [self.own_site, provider, probe]
+            ticks.add_metric(labels, stats.ticks)
+            for reason, count in sorted(stats.failures.items()):
+                failures.add_metric([*labels, reason], count)
+            skipped.add_metric(labels, stats.skipped_ticks)
+            dropped.add_metric(labels, stats.dropped_series)
+            for sink, count in sorted(stats.sink_errors.items()):
+                sink_errors.add_metric([*labels, sink], count)
+            series.add_metric(labels, stats.series)
+        yield from (ticks, failures, skipped, dropped, sink_errors, series)

@@ -1,4 +1,4 @@
-"""The operator role (DESIGN.md 4): scrape pool, exporter, signals server, peer pollers.
+"""The operator role (DESIGN.md 4): scrape pool, probes, exporter, signals server, peer pollers.
 
 The trio tasks here only move data: scrape results go into the pure per-provider
 publishers (gridd.core.publication), their batches into the holdings (gridd.core.holdings),
@@ -13,23 +13,24 @@ import random
 import ssl
 import time
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import Any
 
 import httpx
 import msgspec
 import trio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
 from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
+from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s
-from gridd.errors import ConfigError
-from gridd.operator.exporter import ProviderCollector
+from gridd.errors import ConfigError, StateError
+from gridd.operator.exporter import ProbeCollector, ProviderCollector
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
 from gridd.operator.signals import (
     PeerLink,
@@ -41,9 +42,19 @@ from gridd.operator.signals import (
     check_signals_config,
     load_signals_tls,
 )
-from gridd.state import ProviderRevision, StateDir
+from gridd.probes.runner import ProbeRunner
+from gridd.probes.sinks import RunIO
+from gridd.state import ProviderRevision, StateDir, write_durably
+from gridd.tls import PeerIdentity
+from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
 
 log = logging.getLogger("gridd.operator")
+
+# The gateway evidence ledger in the state directory (docs/feedback.md).
+FEEDBACK_FILE = "gateway_feedback.json"
+# The FeedbackAck status when the ledger could not be written durably: the gateway counts
+# it as `status` and keeps its evidence for retry.
+FEEDBACK_NOT_STORED = "not_stored"
 
 
 class StagedOperator(msgspec.Struct, frozen=True):
@@ -74,11 +85,15 @@ class OperatorService:
         client: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
         open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PeerLink]] | None = None,
+        probe_client: httpx.AsyncClient | None = None,
+        probe_io: RunIO = trio.to_thread.run_sync,
+        state_io: RunIO = trio.to_thread.run_sync,
     ) -> None:
         self.loaded = loaded
         self.registry = registry
         self.wall = wall
         self._client = client
+        self._probe_client = probe_client
         self.state = StateDir(loaded.resolve(loaded.config.state_dir))
         self.holdings = Holdings()
         self.fences = AdmissionFences(future_epoch_bound_s=loaded.config.timings.future_epoch_bound_s)
@@ -94,8 +109,26 @@ class OperatorService:
         self._draining = False
         self.signals_metrics = SignalsMetrics(registry)
         self.signals_address: str | None = None
+        # Gateway rejection reports (spec): per-replica evidence, kept durably. Writes are
+        # serialized; a report is acknowledged only once what it changed is on disk.
+        self.gateway_evidence = GatewayEvidenceLedger()
+        self._evidence_lock = trio.Lock()
+        # Runs the ledger's blocking file IO off the event loop (tests on a MockClock pass
+        # one that stays on it, so virtual time does not leap while a thread runs).
+        self._state_io = state_io
+        self._evidence_version = 0  # bumped per change
+        self._evidence_written = 0  # the version last written durably
+        self.evidence_load_error: str | None = None
+        self.feedback_reports_accepted = 0
+        self._feedback_reports = Counter(
+            "grid_signals_feedback_reports_accepted", "Gateway feedback reports acknowledged as accepted.",
+            registry=registry)
+        # Unlabelled: report contents (replicas included) never become metric labels.
+        Gauge("grid_signals_gateway_replicas_rejecting",
+              "Gateway replicas of this site with unresolved skew-rejection evidence (GatewayAgesRejected).",
+              registry=registry).set_function(lambda: len(self.gateway_evidence.unresolved()))
         self.endpoint = SignalsEndpoint(config=lambda: self.config, holdings=self.holdings,
-                                        metrics=self.signals_metrics, wall=wall)
+                                        metrics=self.signals_metrics, wall=wall, feedback=self.take_feedback)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
                                     timings=lambda: self.config.timings, wall=wall,
                                     open_link=open_peer_link or self._open_peer_link)
@@ -110,6 +143,12 @@ class OperatorService:
             own_verdict=self._current_verdict,
             stale_after_s=self._stale_after_s,
         ))
+        # Probes (spec 004) get their own HTTP pool and limiter, sized like the scrape pool's,
+        # so they never queue inside the scrape client's pool (STYLE 8).
+        self.probes = ProbeRunner(publisher=self.publishers.get, resolve=lambda path: self.loaded.resolve(path),
+                                  body_cap=lambda: self.config.timings.body_cap_bytes, wall=wall,
+                                  concurrency=loaded.config.timings.scrape_concurrency, run_io=probe_io)
+        registry.register(ProbeCollector(self.probes.snapshot, own_site=loaded.config.site))
 
     @property
     def config(self) -> Config:
@@ -125,14 +164,19 @@ class OperatorService:
         self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
         revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
         self._apply_providers(revisions)
+        await self.load_gateway_evidence()
         log.info("publisher epoch %d; %d providers", self.publisher_epoch, len(self.publishers))
         timings = self.config.timings
         client = self._client or make_client(timings.scrape_concurrency)
-        async with client, trio.open_nursery() as nursery:
+        probe_client = self._probe_client or make_client(timings.scrape_concurrency)
+        async with AsyncExitStack() as clients, trio.open_nursery() as nursery:
+            await clients.enter_async_context(client)
+            await clients.enter_async_context(probe_client)
             self.pool = ScrapePool(client, concurrency=timings.scrape_concurrency,
                                    body_cap=timings.body_cap_bytes, on_result=self._on_scrape)
             await nursery.start(self.pool.run, lambda: self.config.timings.scrape_interval_s,
                                 self._targets, name="scrape-pool")
+            await nursery.start(self.probes.run, probe_client, self.config.providers, name="probe-runner")
             cfg = self.config
             if self.tls is not None and cfg.listen.signals is not None:
                 self.signals_address = await nursery.start(
@@ -145,6 +189,71 @@ class OperatorService:
             if self.tls is not None:
                 await nursery.start(self.peers.run, cfg.peers, name="peer-pollers")
             task_status.started()
+
+    # -- gateway feedback ----------------------------------------------------------------
+
+    async def load_gateway_evidence(self) -> None:
+        """Read the ledger back before the signals channel opens (spec: recovery rules
+        "preserve unresolved replica evidence across ... operator restart"). An unreadable
+        file is logged and shown in status, and the next write replaces it."""
+        path = self.state.path / FEEDBACK_FILE
+
+        def read() -> bytes | None:
+            try:
+                return path.read_bytes()
+            except FileNotFoundError:
+                return None
+
+        try:
+            data = await self._state_io(read)
+            if data is not None:
+                self.gateway_evidence = GatewayEvidenceLedger.from_bytes(data)
+        except (OSError, LedgerDecodeError) as exc:
+            self.evidence_load_error = f"{path}: {exc}"
+            log.error("gateway feedback evidence unreadable, starting empty: %s", self.evidence_load_error)
+            return
+        unresolved = self.gateway_evidence.unresolved()
+        if unresolved:
+            log.warning("gateway replicas with unresolved skew rejections: %s", ", ".join(unresolved))
+
+    async def _store_gateway_evidence(self) -> bool:
+        """Write the ledger durably, off the event loop, if a change is not on disk yet.
+        True once every change so far is written (by this call or a concurrent one)."""
+        async with self._evidence_lock:
+            if self._evidence_written >= self._evidence_version:
+                return True
+            version, data = self._evidence_version, self.gateway_evidence.to_bytes()
+            try:
+                await self._state_io(write_durably, self.state.path / FEEDBACK_FILE, data)
+            except StateError as exc:
+                log.error("gateway feedback evidence not stored: %s", exc)
+                return False
+            self._evidence_written = version
+            return True
+
+    async def take_feedback(self, identity: PeerIdentity, report: FeedbackReport) -> FeedbackAck:
+        """The signals channel's feedback intake: one report from a verified gateway of this
+        site, answered once its effect is durable."""
+        result = self.gateway_evidence.apply(identity.replica or "", report, now_wall=self.wall())
+        if result.changed:
+            self._evidence_version += 1
+        # A replayed report changes nothing but still waits for an earlier failed write.
+        if not await self._store_gateway_evidence():
+            return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence,
+                               status=FEEDBACK_NOT_STORED, detail="the evidence could not be written durably")
+        self._feedback_reports.inc()
+        self.feedback_reports_accepted += 1
+        return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence, status=ACK_ACCEPTED)
+
+    async def clear_gateway_evidence(self, replica: str | None) -> list[str]:
+        """An administrator resolves GatewayAgesRejected for one replica (None: all)."""
+        cleared = self.gateway_evidence.clear(replica, now_wall=self.wall())
+        if cleared:
+            self._evidence_version += 1
+            if not await self._store_gateway_evidence():
+                raise StateError("gateway feedback evidence cleared in memory but not written durably")
+            log.info("gateway skew evidence cleared by an administrator: %s", ", ".join(cleared))
+        return cleared
 
     def _server_context(self) -> ssl.SSLContext:
         assert self.tls is not None
@@ -245,6 +354,12 @@ class OperatorService:
         if self.pool is not None:
             self.pool.body_cap = t.body_cap_bytes
         self._apply_providers(staged.revisions)
+        if self.probes.running and not self._draining:
+            # Only probes whose spec changed restart; the rest keep their schedule and window.
+            changes = self.probes.update(self.config.providers)
+            for what, keys in changes.items():
+                if keys:
+                    log.info("probes %s: %s", what, ", ".join(f"{p}/{n}" for p, n in keys))
         # New connections use the new contexts (the server reads them per connection);
         # pollers restart only when the material or the trust domain changed.
         rotated = (staged.tls is not None and self.tls is not None
@@ -260,6 +375,7 @@ class OperatorService:
         # Stop producing: the next pass scrapes nothing. Peers and gateways keep polling
         # what we hold until the daemon's deadline ends the process.
         self._draining = True
+        self.probes.stop_all()
 
     def status(self) -> dict[str, Any]:
         now = trio.current_time()
@@ -288,6 +404,7 @@ class OperatorService:
                 "provider_uid": pub.provider_uid,
                 "generation": pub.generation,
                 "batch_sequence": pub.sequence,
+                "probes": self.probes.status(provider, now),
             })
         return {
             "publisher_epoch": self.publisher_epoch,
@@ -301,4 +418,14 @@ class OperatorService:
                 "tls_not_after": None if self.tls is None else self.tls.material.not_after,
             },
             "peers": self.peers.status(),
+            # Independent of peer diagnostics (spec): explains discarded signals, changes
+            # no network phase and no routing.
+            "gateway_feedback": {
+                "conditions": self.gateway_evidence.conditions(self.wall()),
+                "replicas_rejecting": self.gateway_evidence.unresolved(),
+                "reports_accepted": self.feedback_reports_accepted,
+                "evicted_replicas": self.gateway_evidence.evicted,
+                "stored": self._evidence_written >= self._evidence_version,
+                "load_error": self.evidence_load_error,
+            },
         }
