@@ -237,6 +237,14 @@ def format_status(s: dict[str, Any]) -> str:
                      f"last pass {role.get('last_pass_s')} s)")
         lines += _table(["PROVIDER", "READY", "REASON", "ENDPOINTS", "IN-FLIGHT", "KV", "TTFT p50/p90", "ERR",
                          "SCRAPED", "FAILURE"], [_provider_row(p) for p in role.get("providers", [])])
+        probes = [(p["name"], q) for p in role.get("providers", []) for q in p.get("probes") or []]
+        lines += _table(["PROVIDER", "PROBE", "STATE", "TICKS", "FAILURES", "SERIES", "LAST OK"], [
+            [name, q["name"], q.get("state", "-"), q.get("ticks", "-"), sum((q.get("failures") or {}).values()),
+             q.get("series", "-"), _secs(q.get("last_success_age_s"))] for name, q in probes])
+        feedback = (role.get("gateway_feedback") or {}).get("conditions") or []
+        lines += _table(["GATEWAY", "AGES REJECTED", "REASON", "MESSAGE"], [
+            [c.get("replica", "-"), c.get("status", "-"), c.get("reason", "-"), c.get("message", "")]
+            for c in feedback])
         lines += _table(["PEER", "STATE", "LAST OK", "ERROR", "POLLS", "FAILURES", "URL"], [
             [p["site"], p["state"], _secs(p.get("last_success_age_s")), _fmt(p.get("last_error")),
              p.get("polls", 0), p.get("failures", 0), p["url"]] for p in role.get("peers", [])])

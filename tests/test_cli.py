@@ -18,17 +18,26 @@ def test_operator_view_lists_providers_and_peers():
              "kv_mean": None, "latency": None, "scrape_age_s": 0.4, "failure_class": "timeout"},
             {"name": "qwen", "ready": True, "reason": "EndpointsReady", "ready_endpoints": 4, "in_flight": 50.0,
              "kv_mean": 0.43, "kv_spread": 0.07, "scrape_age_s": 0.2, "failure_class": None,
-             "latency": {"ttft_p50_s": 0.21, "ttft_p90_s": 0.38, "error_ratio": 0.01}},
+             "latency": {"ttft_p50_s": 0.21, "ttft_p90_s": 0.38, "error_ratio": 0.01},
+             "probes": [{"name": "perf", "state": "ok", "ticks": 12, "failures": {"timeout": 2}, "series": 3,
+                         "last_success_age_s": 4.0}]},
         ],
+        "gateway_feedback": {"conditions": [{"replica": "g1", "status": "True", "reason": "SkewRejected",
+                                             "message": "gateway g1 rejected 3 batch(es)"}]},
         "peers": [{"site": "b", "state": "down", "last_success_age_s": 31.0, "last_error": "tls", "polls": 9,
                    "failures": 3, "url": "wss://b:9443/signals"}],
     }}
     text = format_status(status)
     assert "last reload error: bogus: unknown field" in text
-    rows = {line.split()[0]: line.split() for line in text.splitlines() if line[:5] in ("llama", "qwen ")}
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line[:5] in ("llama", "qwen ") and line.split()[1] in ("yes", "NO", "unknown")}
     assert rows["llama"][1:3] == ["NO", "ScrapeFailed"] and rows["llama"][-1] == "timeout"
     assert rows["qwen"][1:6] == ["yes", "EndpointsReady", "4", "50.0", "0.43±0.07"]
     assert "0.210/0.380" in rows["qwen"]
+    probe = next(line for line in text.splitlines() if line.startswith("qwen      perf"))
+    assert probe.split() == ["qwen", "perf", "ok", "12", "2", "3", "4.0s"]
+    gateway = next(line for line in text.splitlines() if line.startswith("g1 "))
+    assert gateway.split()[:3] == ["g1", "True", "SkewRejected"]
     peer = next(line for line in text.splitlines() if line.startswith("b "))
     assert peer.split()[:4] == ["b", "down", "31.0s", "tls"]
 
