@@ -235,6 +235,9 @@ def format_status(s: dict[str, Any]) -> str:
     if s["role"] == "operator":
         lines.append(f"epoch       {role.get('publisher_epoch')}  (stale after {role.get('stale_after_s')} s, "
                      f"last pass {role.get('last_pass_s')} s)")
+        api = role.get("providers_api") or {}
+        if api.get("listen"):
+            lines.append(f"api         {api['listen']}  (auth: {api.get('auth')})")
         lines += _table(["PROVIDER", "READY", "REASON", "ENDPOINTS", "IN-FLIGHT", "KV", "TTFT p50/p90", "ERR",
                          "SCRAPED", "FAILURE"], [_provider_row(p) for p in role.get("providers", [])])
         probes = [(p["name"], q) for p in role.get("providers", []) for q in p.get("probes") or []]

@@ -153,6 +153,12 @@ class OperatorLink(Base):
     url: Url
 
 
+class ApiConfig(Base):
+    admin_token: str | None = None
+    """Bearer token the operator's providers API requires (docs/providers-api.md); unset or
+    empty, the API serves only on a loopback ``listen.http``."""
+
+
 # -- routing knobs (docs/routing.md) ----------------------------------------------------------
 
 
@@ -222,6 +228,7 @@ class Config(Base):
     providers: list[ProviderConfig] = msgspec.field(default_factory=list)
     peers: list[PeerConfig] = msgspec.field(default_factory=list)
     operator: OperatorLink | None = None
+    api: ApiConfig = ApiConfig()
     timings: TimingConfig = TimingConfig()
     routing: RoutingConfig = RoutingConfig()
     availability: AvailabilityConfig = AvailabilityConfig()

@@ -61,6 +61,9 @@ class Daemon:
         self.registry = registry or CollectorRegistry()
         self.env = dict(os.environ) if env is None else env
         self.role = role or build_role(loaded, self.registry)
+        if hasattr(self.role, "attach_reload"):
+            # The operator's providers API persists through the same staged reload as SIGHUP.
+            self.role.attach_reload(self.reload)
         self.started_wall = time.time()
         self.started_mono = time.monotonic()
         self.control_path = default_control_socket(loaded.config, loaded.workspace, self.env)

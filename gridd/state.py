@@ -21,10 +21,15 @@ EPOCH_FILE = "publisher_epoch"
 PROVIDERS_FILE = "providers.json"
 
 
-def write_durably(path: pathlib.Path, data: bytes) -> None:
+def write_durably(path: pathlib.Path, data: bytes, *, mode: int | None = None) -> None:
+    """``mode``: permission bits of the new file (default: the umask's). The temporary file
+    gets them before any byte is written, so a secret is never readable more widely."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is not None else 0o666)
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

@@ -12,7 +12,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import Any
@@ -22,6 +22,7 @@ import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
 from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
@@ -30,6 +31,7 @@ from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s
 from gridd.errors import ConfigError, StateError
+from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
 from gridd.operator.signals import (
@@ -149,16 +151,41 @@ class OperatorService:
                                   body_cap=lambda: self.config.timings.body_cap_bytes, wall=wall,
                                   concurrency=loaded.config.timings.scrape_concurrency, run_io=probe_io)
         registry.register(ProbeCollector(self.probes.snapshot, own_site=loaded.config.site))
+        # The providers API (docs/providers-api.md) on listen.http; its mutations go through
+        # the daemon's staged reload, attached by the daemon (attach_reload).
+        self._reload: Callable[..., Awaitable[Mapping[str, Any]]] | None = None
+        self.api = ProvidersAPI(loaded=lambda: self.loaded, reload=self._reload_for_api)
+        self.api_urls: list[str] = []
+        self._api_stop = trio.Event()
+        self._api_done = trio.Event()
 
     @property
     def config(self) -> Config:
         return self.loaded.config
+
+    def attach_reload(self, reload: Callable[..., Awaitable[Mapping[str, Any]]]) -> None:
+        """The daemon's staged reload (the one SIGHUP runs), for the providers API."""
+        self._reload = reload
+
+    async def _reload_for_api(self) -> Mapping[str, Any]:
+        if self._reload is None:
+            return {"result": "error", "error": "no daemon is attached to reload this operator"}
+        return await self._reload(source="providers API")
+
+    async def _serve_api(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.config.listen.http is not None
+        try:
+            await serve_asgi(self.api, [self.config.listen.http], stop_accepting=self._api_stop,
+                             task_status=task_status)
+        finally:
+            self._api_done.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
         check_signals_config(self.config)
+        check_api_exposure(self.config)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
@@ -188,6 +215,9 @@ class OperatorService:
                 log.info("signals channel listening on %s", self.signals_address)
             if self.tls is not None:
                 await nursery.start(self.peers.run, cfg.peers, name="peer-pollers")
+            if cfg.listen.http is not None:
+                self.api_urls = await nursery.start(self._serve_api, name="providers-api")
+                log.info("providers API listening on %s", ", ".join(self.api_urls))
             task_status.started()
 
     # -- gateway feedback ----------------------------------------------------------------
@@ -333,6 +363,9 @@ class OperatorService:
     async def stage(self, new: LoadedConfig) -> StagedOperator:
         cfg, old = new.config, self.config
         check_signals_config(cfg)
+        check_api_exposure(cfg)
+        if cfg.listen.http != old.listen.http:
+            raise ConfigError("listen.http: changed; restart gridd to apply")
         if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
             # The HTTP pool is sized to the limiter at start (it must never be the smaller).
             raise ConfigError("timings.scrape_concurrency: changed; restart gridd to apply")
@@ -376,6 +409,11 @@ class OperatorService:
         # what we hold until the daemon's deadline ends the process.
         self._draining = True
         self.probes.stop_all()
+        # The providers API stops accepting; a mutation in flight finishes (its reload is
+        # refused while draining, so it restores the file and answers 409).
+        self._api_stop.set()
+        if self.api_urls:
+            await self._api_done.wait()
 
     def status(self) -> dict[str, Any]:
         now = trio.current_time()
@@ -418,6 +456,10 @@ class OperatorService:
                 "tls_not_after": None if self.tls is None else self.tls.material.not_after,
             },
             "peers": self.peers.status(),
+            "providers_api": {
+                "listen": self.api_urls,
+                "auth": "bearer" if self.config.api.admin_token else "loopback only",
+            },
             # Independent of peer diagnostics (spec): explains discarded signals, changes
             # no network phase and no routing.
             "gateway_feedback": {

@@ -1,0 +1,646 @@
+"""The operator's providers API (spec 004 Example 2; DESIGN 5, 5b): the ASGI app driven in
+process over httpx.ASGITransport with a tmp config file and an injected reload, the pure
+redaction/merge/auth rules table-driven, and one real operator process serving it on
+loopback, posting the spec's Example 2 probe at a `gridd sim --flavour vllm`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import trio
+import yaml
+from prometheus_client import CollectorRegistry
+
+from gridd.api.providers import (
+    MASK,
+    ProvidersAPI,
+    bearer_matches,
+    check_api_exposure,
+    delete_provider,
+    find_mask,
+    redact_provider,
+    upsert_provider,
+)
+from gridd.config import load_config, parse_config
+from gridd.errors import ConfigError
+from gridd.operator.service import OperatorService
+
+ENV = {"LLAMA_KEY": "llama-secret", "SECRET_KEY": "from-env", "ADMIN_TOKEN": "s3cret-admin"}
+
+CONFIG = """\
+# The operator of site a. (This comment is lost on the first API write: docs/providers-api.md.)
+role: operator
+site: a
+state_dir: state
+listen:
+  http: 127.0.0.1:0
+{api}providers:
+  - name: local
+    type: hosted_vllm
+    model: Qwen/Qwen3.5-9B
+    enabled: true
+    metadata: {{labels: [local], cost: 0}}
+    settings:
+      endpoint: http://localhost:8088/v1
+      timeout: 300.0
+      auth: {{scheme: none, api_key: null, custom_headers: {{}}}}
+  - name: keyed
+    model: meta-llama/Llama-3.1-8B-Instruct
+    settings:
+      endpoint: http://127.0.0.1:8089/v1
+      auth: {{scheme: bearer, api_key: "${{LLAMA_KEY}}"}}
+  - name: secret
+    model: m
+    settings:
+      endpoint: http://127.0.0.1:8090/v1
+      auth:
+        scheme: bearer
+        api_key: sk-literal
+        custom_headers: {{x-api-key: hdr-secret, x-team: blue}}
+    metrics: {{url: "http://scraper:pw@127.0.0.1:8090/metrics"}}
+"""
+
+EXAMPLE_2 = {
+    "settings": {
+        "endpoint": "http://localhost:8088/v1",
+        "timeout": 300.0,
+        "auth": {"scheme": "none", "api_key": None, "custom_headers": {}},
+        "probes": [
+            {
+                "name": "perf",
+                "enabled": True,
+                "endpoint": "http://localhost:8088/metrics",
+                "interval": 5,
+                "extract": [{"regex": "vllm:(num_requests_waiting)\\{[^}]*\\}\\s+([0-9.eE+-]+)"}],
+                "publish": [
+                    {"to": "metadata", "prefix": "performance"},
+                    {"to": "file", "path": "probes/local.perf.jsonl"},
+                ],
+            }
+        ],
+    }
+}
+
+
+class Rig:
+    """The app over a tmp config file; ``reload`` stands in for the daemon's staged reload:
+    it reloads the file (or rejects with ``reject``) and records each call."""
+
+    def __init__(self, tmp_path, *, api: str = "", max_body_bytes: int | None = None) -> None:
+        self.path = tmp_path / "operator.yaml"
+        self.path.write_text(CONFIG.format(api=api))
+        self.loaded = load_config(self.path, env=ENV)
+        self.reloads = 0
+        self.reject: str | None = None
+        self.reload_delay_s = 0.0
+        kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+        self.app = ProvidersAPI(loaded=lambda: self.loaded, reload=self.reload, env=ENV, **kwargs)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://api")
+
+    async def reload(self):
+        self.reloads += 1
+        await trio.sleep(self.reload_delay_s)
+        if self.reject:
+            return {"result": "error", "error": self.reject}
+        self.loaded = await trio.to_thread.run_sync(lambda: load_config(self.path, env=ENV))
+        return {"result": "ok", "error": None}
+
+    def on_disk(self) -> dict:
+        return yaml.safe_load(self.path.read_text())
+
+
+def error_of(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure rules
+
+
+@pytest.mark.parametrize(("api_key", "shown"), [
+    (None, None),
+    ("", ""),
+    ("${LLAMA_KEY}", "${LLAMA_KEY}"),
+    ("${LLAMA_KEY:-}", "${LLAMA_KEY:-}"),
+    ("Bearer ${TOKEN}", "Bearer ${TOKEN}"),
+    ("${A}${B}", "${A}${B}"),
+    ("${LLAMA_KEY:-sk-default}", MASK),  # the default may be the secret itself
+    ("sk-literal", MASK),
+    ("Bearer sk-literal", MASK),
+    ("prefix-${A}", MASK),
+])
+def test_api_key_redaction(api_key, shown):
+    provider = {"name": "p", "settings": {"auth": {"api_key": api_key}}}
+    assert redact_provider(provider)["settings"]["auth"]["api_key"] == shown
+    assert provider["settings"]["auth"]["api_key"] == api_key  # the input is not modified
+
+
+@pytest.mark.parametrize(("header", "masked"), [
+    ("authorization", True), ("Authorization", True), ("x-api-key", True), ("api-key", True),
+    ("cookie", True), ("X-Auth-Token", True), ("x-client-secret", True), ("proxy-authorization", True),
+    ("x-team", False), ("user-agent", False), ("x-request-id", False),
+])
+def test_custom_header_redaction(header, masked):
+    provider = {"name": "p", "settings": {"auth": {"custom_headers": {header: "v-1", "x-other": "${X}"}}}}
+    headers = redact_provider(provider)["settings"]["auth"]["custom_headers"]
+    assert headers[header] == (MASK if masked else "v-1")
+    assert headers["x-other"] == "${X}"
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://u:pw@h:1/metrics", f"http://u:{MASK}@h:1/metrics"),
+    ("http://u:${PW}@h/metrics", "http://u:${PW}@h/metrics"),
+    ("http://u@h/metrics", "http://u@h/metrics"),
+    ("http://h/metrics?next=a:b@c", "http://h/metrics?next=a:b@c"),
+])
+def test_url_password_redaction(url, shown):
+    provider = {"name": "p", "metrics": {"url": url}, "settings": {"endpoint": url, "probes": [{"endpoint": url}]}}
+    out = redact_provider(provider)
+    assert (out["metrics"]["url"], out["settings"]["endpoint"], out["settings"]["probes"][0]["endpoint"]) == (
+        shown, shown, shown)
+
+
+@pytest.mark.parametrize(("body", "path"), [
+    ({"settings": {"auth": {"api_key": MASK}}}, "settings.auth.api_key"),
+    ({"settings": {"endpoint": f"http://u:{MASK}@h/v1"}}, "settings.endpoint"),
+    ({"settings": {"probes": [{"name": "a"}, {"endpoint": MASK}]}}, "settings.probes[1].endpoint"),
+    ({"settings": {"auth": {"api_key": "sk-real"}}}, None),
+    ({"model": "m", "enabled": True, "metadata": {"cost": 1}}, None),
+])
+def test_find_mask(body, path):
+    assert find_mask(body) == path
+
+
+def test_upsert_merges_top_level_fields_and_replaces_settings_whole():
+    raw = {"role": "operator", "providers": [
+        {"name": "a", "model": "m", "settings": {"endpoint": "http://x/v1", "timeout": 9,
+                                                  "probes": [{"name": "old"}]}, "enabled": False}]}
+    before = copy.deepcopy(raw)
+    tree, written, created = upsert_provider(raw, "a", {"settings": {"endpoint": "http://y/v1"}, "unavailable": True})
+    assert not created and raw == before
+    assert written == {"name": "a", "model": "m", "settings": {"endpoint": "http://y/v1"}, "enabled": False,
+                       "unavailable": True}
+    assert list(written) == ["name", "model", "settings", "enabled", "unavailable"]
+    assert tree["providers"] == [written]
+
+    tree, written, created = upsert_provider({"role": "operator"}, "b", {"model": "m", "name": "b"})
+    assert created and tree["providers"] == [{"name": "b", "model": "m"}] and list(written)[0] == "name"
+
+
+def test_delete_provider_keeps_the_others():
+    raw = {"providers": [{"name": "a"}, {"name": "b"}]}
+    assert delete_provider(raw, "a") == {"providers": [{"name": "b"}]}
+    assert raw == {"providers": [{"name": "a"}, {"name": "b"}]}
+
+
+@pytest.mark.parametrize(("headers", "ok"), [
+    ([b"Bearer tok"], True),
+    ([b"bearer tok"], True),
+    ([b"Bearer  tok "], True),
+    ([b"Bearer tok2"], False),
+    ([b"Bearer to"], False),
+    ([b"Basic tok"], False),
+    ([b"tok"], False),
+    ([b"Bearer"], False),
+    ([], False),
+    ([b"Bearer tok", b"Bearer tok"], False),
+])
+def test_bearer_matches(headers, ok):
+    assert bearer_matches(headers, "tok") is ok
+
+
+@pytest.mark.parametrize(("listen", "token", "refused"), [
+    (None, None, False),
+    ("127.0.0.1:9180", None, False),
+    ("127.5.5.5:9180", None, False),
+    ("[::1]:9180", None, False),
+    ("0.0.0.0:9180", None, True),
+    ("[::]:9180", None, True),
+    ("10.1.2.3:9180", None, True),
+    ("localhost:9180", None, True),  # a name could resolve anywhere: only IP literals count
+    ("0.0.0.0:9180", "", True),  # an empty token (an unset ${VAR:-}) is no token
+    ("0.0.0.0:9180", "tok", False),
+])
+def test_api_exposure(listen, token, refused):
+    api = "" if token is None else f"api: {{admin_token: {json.dumps(token)}}}\n"
+    http = "" if listen is None else f"listen: {{http: {json.dumps(listen)}}}\n"
+    cfg, _ = parse_config(f"role: operator\nsite: a\n{http}{api}", env={})
+    if refused:
+        with pytest.raises(ConfigError, match=r"^api\.admin_token: required when the providers API listens"):
+            check_api_exposure(cfg)
+    else:
+        check_api_exposure(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# The app, in process
+
+
+async def test_get_lists_and_redacts(tmp_path):
+    rig = Rig(tmp_path)
+    listed = (await rig.client.get("/v1/providers")).json()
+    assert listed["object"] == "list"
+    assert [p["name"] for p in listed["data"]] == ["local", "keyed", "secret"]
+    keyed, secret = listed["data"][1], listed["data"][2]
+    assert keyed["settings"]["auth"]["api_key"] == "${LLAMA_KEY}"  # a placeholder, as written
+    assert secret["settings"]["auth"] == {"scheme": "bearer", "api_key": MASK,
+                                          "custom_headers": {"x-api-key": MASK, "x-team": "blue"}}
+    assert secret["metrics"]["url"] == f"http://scraper:{MASK}@127.0.0.1:8090/metrics"
+    one = await rig.client.get("/v1/providers/local")
+    assert one.status_code == 200 and one.headers["content-type"] == "application/json"
+    assert one.json() == rig.loaded.raw["providers"][0]
+    missing = await rig.client.get("/v1/providers/nope")
+    assert missing.status_code == 404
+    assert error_of(missing) == {"message": "no provider named 'nope'", "type": "invalid_request_error",
+                                 "param": "name", "code": "provider_not_found"}
+
+
+async def test_example_2_settings_only_keeps_other_fields(tmp_path):
+    rig = Rig(tmp_path)
+    resp = await rig.client.post("/v1/providers/local", json=EXAMPLE_2)
+    assert resp.status_code == 200, resp.text
+    assert rig.reloads == 1
+    got = resp.json()
+    assert got["settings"] == EXAMPLE_2["settings"]
+    # DESIGN 5b: the other top-level fields are kept, in their order.
+    assert list(got) == ["name", "type", "model", "enabled", "metadata", "settings"]
+    assert (got["model"], got["metadata"]) == ("Qwen/Qwen3.5-9B", {"labels": ["local"], "cost": 0})
+    disk = rig.on_disk()
+    assert disk["providers"][0]["settings"]["probes"][0]["name"] == "perf"
+    assert disk["providers"][1]["settings"]["auth"]["api_key"] == "${LLAMA_KEY}"
+    assert "${LLAMA_KEY}" in rig.path.read_text() and "llama-secret" not in rig.path.read_text()
+    assert rig.loaded.config.providers[0].settings.probes[0].interval == 5
+    assert (await rig.client.get("/v1/providers/local")).json()["settings"]["probes"] == (
+        EXAMPLE_2["settings"]["probes"])
+
+    # settings replaced whole: a POST without probes removes them.
+    settings = {"endpoint": "http://localhost:8088/v1"}
+    resp = await rig.client.post("/v1/providers/local", json={"settings": settings})
+    assert resp.status_code == 200 and resp.json()["settings"] == settings
+    assert rig.loaded.config.providers[0].settings.probes == []
+    assert rig.loaded.config.providers[0].model == "Qwen/Qwen3.5-9B"
+
+
+async def test_edit_in_place_round_trips_a_get(tmp_path):
+    """Spec 004 "edit in place": a GET (no secret) spliced and POSTed back."""
+    rig = Rig(tmp_path)
+    current = (await rig.client.get("/v1/providers/local")).json()
+    probe = EXAMPLE_2["settings"]["probes"][0]
+    payload = {"settings": {**current["settings"], "probes": [
+        *[p for p in current["settings"].get("probes", []) if p["name"] != probe["name"]], probe]}}
+    assert (await rig.client.post("/v1/providers/local", json=payload)).status_code == 200
+    again = (await rig.client.get("/v1/providers/local")).json()
+    assert (await rig.client.post("/v1/providers/local", json=again)).status_code == 200
+    assert rig.on_disk()["providers"][0] == again
+
+
+async def test_create_and_delete(tmp_path):
+    rig = Rig(tmp_path)
+    body = {"model": "new-model", "settings": {"endpoint": "http://127.0.0.1:9000/v1"}}
+    resp = await rig.client.post("/v1/providers/fresh", json=body)
+    assert resp.status_code == 201, resp.text
+    assert resp.headers["location"] == "/v1/providers/fresh"
+    assert resp.json() == {"name": "fresh", **body}
+    assert [p.name for p in rig.loaded.config.providers] == ["local", "keyed", "secret", "fresh"]
+    assert rig.on_disk()["providers"][3] == {"name": "fresh", **body}
+
+    resp = await rig.client.delete("/v1/providers/fresh")
+    assert resp.status_code == 204 and resp.content == b""
+    assert (await rig.client.get("/v1/providers/fresh")).status_code == 404
+    assert [p["name"] for p in rig.on_disk()["providers"]] == ["local", "keyed", "secret"]
+    before, reloads = rig.path.read_bytes(), rig.reloads
+    gone = await rig.client.delete("/v1/providers/fresh")
+    assert gone.status_code == 404 and error_of(gone)["code"] == "provider_not_found"
+    assert rig.path.read_bytes() == before and rig.reloads == reloads
+
+
+@pytest.mark.parametrize(("name", "body", "status", "code", "message", "param"), [
+    ("local", {"settings": {**EXAMPLE_2["settings"], "probes": [{**EXAMPLE_2["settings"]["probes"][0],
+                                                                  "interval": -1}]}},
+     400, "invalid_config", "providers[0].settings.probes[0].interval: expected a number > 0, got -1",
+     "providers[0].settings.probes[0].interval"),
+    ("fresh", {"settings": {"endpoint": "http://127.0.0.1:9000/v1"}},
+     400, "invalid_config", "providers[3].model: required field is missing", "providers[3].model"),
+    ("local", {"modle": "typo"},
+     400, "invalid_config", "providers[0].modle: unknown field (check spelling; see docs/config.md)",
+     "providers[0].modle"),
+    ("Bad_Name", {"model": "m", "settings": {"endpoint": "http://127.0.0.1:9000/v1"}},
+     400, "invalid_config", "providers[3].name: expected a string matching", "providers[3].name"),
+    ("local", {"settings": {"endpoint": "http://127.0.0.1:9/v1", "auth": {"api_key": "${NOT_SET}"}}},
+     400, "invalid_config", "providers[0].settings.auth.api_key: environment variable NOT_SET is not set",
+     "providers[0].settings.auth.api_key"),
+    ("local", {"name": "other", "model": "m"}, 400, "name_mismatch", "the body names provider 'other'", "name"),
+    ("secret", {"settings": {"endpoint": "http://127.0.0.1:8090/v1", "auth": {"scheme": "bearer", "api_key": MASK}}},
+     400, "redacted_value", "settings.auth.api_key: the value is the redaction mask", "settings.auth.api_key"),
+])
+async def test_refused_posts_change_nothing(tmp_path, name, body, status, code, message, param):
+    rig = Rig(tmp_path)
+    before = rig.path.read_bytes()
+    resp = await rig.client.post(f"/v1/providers/{name}", json=body)
+    assert resp.status_code == status
+    err = error_of(resp)
+    assert err["message"].startswith(message) and (err["code"], err["param"]) == (code, param)
+    assert rig.path.read_bytes() == before and rig.reloads == 0
+
+
+async def test_redacted_get_posted_back_is_refused_until_resupplied(tmp_path):
+    """Spec 004, Secrets caveat."""
+    rig = Rig(tmp_path)
+    before = rig.path.read_bytes()
+    shown = (await rig.client.get("/v1/providers/secret")).json()
+    resp = await rig.client.post("/v1/providers/secret", json=shown)
+    assert resp.status_code == 400
+    assert "re-supply the real value or a ${VAR} placeholder" in error_of(resp)["message"]
+    assert rig.path.read_bytes() == before
+    # Re-supplied: a placeholder for the key, the real values for the header and the URL.
+    shown["settings"]["auth"]["api_key"] = "${SECRET_KEY}"
+    shown["settings"]["auth"]["custom_headers"]["x-api-key"] = "hdr-secret"
+    shown["metrics"]["url"] = "http://scraper:pw@127.0.0.1:8090/metrics"
+    resp = await rig.client.post("/v1/providers/secret", json=shown)
+    assert resp.status_code == 200, resp.text
+    assert rig.loaded.config.providers[2].settings.auth.api_key == "from-env"
+    assert rig.on_disk()["providers"][2]["settings"]["auth"]["api_key"] == "${SECRET_KEY}"
+
+
+@pytest.mark.parametrize(("method", "path", "status", "allow"), [
+    ("PUT", "/v1/providers/local", 405, "GET, POST, DELETE"),
+    ("PATCH", "/v1/providers/local", 405, "GET, POST, DELETE"),
+    ("POST", "/v1/providers", 405, "GET"),
+    ("DELETE", "/v1/providers", 405, "GET"),
+    ("GET", "/v1/providers/", 404, None),
+    ("GET", "/v1/providers/local/probes", 404, None),
+    ("GET", "/v1/models", 404, None),
+    ("GET", "/", 404, None),
+])
+async def test_routes(tmp_path, method, path, status, allow):
+    rig = Rig(tmp_path)
+    resp = await rig.client.request(method, path)
+    assert resp.status_code == status
+    assert error_of(resp)["code"] == ("method_not_allowed" if status == 405 else "not_found")
+    assert resp.headers.get("allow") == allow
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"{", "the request body is not valid JSON"),
+    (b"", "the request body is not valid JSON"),
+    (b"[1, 2]", "the request body must be a JSON object"),
+    (b'"settings"', "the request body must be a JSON object"),
+    (b"[" * 10000 + b"]" * 10000, "the request body "),
+])
+async def test_malformed_json_is_400(tmp_path, content, message):
+    rig = Rig(tmp_path)
+    resp = await rig.client.post("/v1/providers/local", content=content)
+    assert resp.status_code == 400
+    err = error_of(resp)
+    assert err["message"].startswith(message) and err["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize(("levels", "code"), [(31, "invalid_config"), (32, "invalid_json"), (400, "invalid_json")])
+async def test_nesting_bound(tmp_path, levels, code):
+    """32 levels of containers pass the JSON check (and fail as config); deeper is refused
+    before anything recursive (copy, YAML dump) sees it."""
+    rig = Rig(tmp_path)
+    body = b'{"metadata": ' + b'{"a": ' * levels + b"1" + b"}" * levels + b"}"
+    resp = await rig.client.post("/v1/providers/local", content=body)
+    assert resp.status_code == 400 and error_of(resp)["code"] == code
+
+
+async def test_body_cap(tmp_path):
+    rig = Rig(tmp_path, max_body_bytes=64)
+    at_cap = b'{"enabled": true' + b" " * (64 - 17) + b"}"
+    assert len(at_cap) == 64
+    assert (await rig.client.post("/v1/providers/local", content=at_cap)).status_code == 200
+    over = await rig.client.post("/v1/providers/local", content=at_cap + b" ")
+    assert over.status_code == 413 and error_of(over)["code"] == "request_too_large"
+    (tmp_path / "default").mkdir()
+    default = Rig(tmp_path / "default")
+    huge = await default.client.post("/v1/providers/local",
+                                     content=b'{"model": "' + b"x" * (1024 * 1024) + b'"}')
+    assert huge.status_code == 413
+
+
+async def test_rejected_reload_restores_the_file(tmp_path):
+    rig = Rig(tmp_path)
+    os.chmod(rig.path, 0o640)
+    before, loaded = rig.path.read_bytes(), rig.loaded
+    rig.reject = "listen.signals: changed; restart gridd to apply"
+    resp = await rig.client.post("/v1/providers/local", json=EXAMPLE_2)
+    assert resp.status_code == 409
+    err = error_of(resp)
+    assert err["code"] == "reload_rejected"
+    assert err["message"].endswith("the previous file is restored: listen.signals: changed; restart gridd to apply")
+    # Byte for byte, comments included, and with its permission bits.
+    assert rig.path.read_bytes() == before and rig.loaded is loaded
+    assert stat.S_IMODE(os.stat(rig.path).st_mode) == 0o640
+
+
+async def test_write_keeps_the_file_mode_and_drops_comments(tmp_path):
+    rig = Rig(tmp_path)
+    os.chmod(rig.path, 0o640)
+    assert (await rig.client.post("/v1/providers/local", json=EXAMPLE_2)).status_code == 200
+    assert stat.S_IMODE(os.stat(rig.path).st_mode) == 0o640
+    text = rig.path.read_text()
+    assert "# The operator" not in text and not (tmp_path / ".operator.yaml.tmp").exists()
+
+
+async def test_file_edited_and_not_reloaded_is_not_overwritten(tmp_path):
+    rig = Rig(tmp_path)
+    edited = rig.path.read_text().replace("cost: 0", "cost: 7")
+    rig.path.write_text(edited)
+    resp = await rig.client.post("/v1/providers/local", json=EXAMPLE_2)
+    assert resp.status_code == 409 and error_of(resp)["code"] == "config_changed_on_disk"
+    assert rig.path.read_text() == edited and rig.reloads == 0
+    rig.loaded = load_config(rig.path, env=ENV)  # what `gridctl reload` would do
+    assert (await rig.client.post("/v1/providers/local", json=EXAMPLE_2)).status_code == 200
+    assert rig.on_disk()["providers"][0]["metadata"]["cost"] == 7
+
+
+async def test_concurrent_mutations_are_serialized(tmp_path):
+    rig = Rig(tmp_path)
+    rig.reload_delay_s = 0.05
+    statuses: list[int] = []
+
+    async def create(name: str) -> None:
+        resp = await rig.client.post(f"/v1/providers/{name}",
+                                     json={"model": name, "settings": {"endpoint": "http://127.0.0.1:9/v1"}})
+        statuses.append(resp.status_code)
+
+    async with trio.open_nursery() as nursery:
+        for name in ("one", "two", "three"):
+            nursery.start_soon(create, name)
+    assert statuses == [201, 201, 201] and rig.reloads == 3
+    assert {p["name"] for p in rig.on_disk()["providers"]} == {"local", "keyed", "secret", "one", "two", "three"}
+
+
+async def test_admin_token(tmp_path):
+    rig = Rig(tmp_path, api="api: {admin_token: \"${ADMIN_TOKEN}\"}\n")
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret-admin"}):
+        for method, path in (("GET", "/v1/providers"), ("POST", "/v1/providers/local"), ("GET", "/nowhere")):
+            resp = await rig.client.request(method, path, headers=headers, json=EXAMPLE_2)
+            assert resp.status_code == 401, (headers, method, path)
+            assert resp.headers["www-authenticate"].startswith("Bearer ")
+            assert error_of(resp)["type"] == "authentication_error"
+    assert rig.reloads == 0
+    good = {"authorization": "Bearer s3cret-admin"}
+    assert (await rig.client.get("/v1/providers", headers=good)).status_code == 200
+    assert (await rig.client.post("/v1/providers/local", headers=good, json=EXAMPLE_2)).status_code == 200
+
+
+async def test_operator_stage_guards_the_api(tmp_path):
+    (tmp_path / "operator.yaml").write_text(CONFIG.format(api=""))
+    operator = OperatorService(load_config(tmp_path / "operator.yaml", env=ENV), CollectorRegistry())
+    assert (await operator._reload_for_api())["result"] == "error"  # no daemon attached
+    for old, new, message in (
+        ("127.0.0.1:0", "127.0.0.1:1", "listen.http: changed; restart gridd to apply"),
+        ("127.0.0.1:0", "0.0.0.0:0", "api.admin_token: required when the providers API listens"),
+    ):
+        (tmp_path / "next.yaml").write_text(CONFIG.format(api="").replace(old, new))
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+            await operator.stage(load_config(tmp_path / "next.yaml", env=ENV))
+
+
+# ---------------------------------------------------------------------------------------------
+# A real operator process
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def gridctl_status(sock) -> dict | None:
+    out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                          "--socket", str(sock), "status", "--json"], capture_output=True, text=True, timeout=30)
+    return json.loads(out.stdout)["status"] if out.returncode == 0 else None
+
+
+def wait_for(check, what: str, deadline_s: float = 30.0):
+    end = time.monotonic() + deadline_s
+    last = None
+    while time.monotonic() < end:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            last = exc
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+@pytest.mark.realproc
+def test_real_operator_serves_the_providers_api(tmp_path):
+    sim_port, api_port = free_ports(2)
+    config = (CONFIG.format(api='api: {admin_token: "${ADMIN_TOKEN}"}\n')
+              .replace("127.0.0.1:0", f"127.0.0.1:{api_port}").replace("localhost:8088", f"127.0.0.1:{sim_port}"))
+    config = config.replace("state_dir: state", "state_dir: state\ncontrol_socket: run/op.sock")
+    path = tmp_path / "operator.yaml"
+    path.write_text(config)
+    env = {**os.environ, **ENV}
+    base = f"http://127.0.0.1:{api_port}"
+    auth = {"authorization": "Bearer s3cret-admin"}
+    example = json.loads(json.dumps(EXAMPLE_2).replace("localhost:8088", f"127.0.0.1:{sim_port}"))
+    procs = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--flavour", "vllm", "--port",
+                                       str(sim_port)], stderr=subprocess.DEVNULL, env=env))
+        operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
+                                    stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(operator)
+        sock = tmp_path / "run" / "op.sock"
+        status = wait_for(lambda: gridctl_status(sock), "the operator's status")
+        assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer"}
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
+
+        with httpx.Client(base_url=base, timeout=30) as client:
+            assert client.get("/v1/providers").status_code == 401
+            assert client.get("/v1/providers", headers={"authorization": "Bearer nope"}).status_code == 401
+
+            # Example 2: the probe, posted at runtime, starts without a restart.
+            resp = client.post("/v1/providers/local", headers=auth, json=example)
+            assert resp.status_code == 200, resp.text
+            got = client.get("/v1/providers/local", headers=auth).json()
+            assert got["settings"]["probes"] == example["settings"]["probes"]
+            assert got["model"] == "Qwen/Qwen3.5-9B"
+            on_disk = yaml.safe_load(path.read_text())
+            assert on_disk["providers"][0]["settings"]["probes"][0]["name"] == "perf"
+            assert on_disk["providers"][1]["settings"]["auth"]["api_key"] == "${LLAMA_KEY}"
+            assert "${ADMIN_TOKEN}" in path.read_text() and "s3cret-admin" not in path.read_text()
+
+            def probe_ticked():
+                st = gridctl_status(sock)
+                local = next(p for p in st["role_status"]["providers"] if p["name"] == "local")
+                probe = local["probes"][0]
+                return probe if probe["running"] and probe["ticks"] >= 1 and probe["state"] == "ok" else None
+
+            probe = wait_for(probe_ticked, "the posted probe to run")
+            assert probe["name"] == "perf" and probe["endpoint"] == f"http://127.0.0.1:{sim_port}/metrics"
+            assert gridctl_status(sock)["last_reload"]["source"] == "providers API"
+            assert (tmp_path / "probes" / "local.perf.jsonl").exists()
+
+            # settings only: model kept, settings replaced whole (the probe stops).
+            resp = client.post("/v1/providers/local", headers=auth,
+                               json={"settings": {"endpoint": f"http://127.0.0.1:{sim_port}/v1"}})
+            assert resp.status_code == 200 and resp.json()["model"] == "Qwen/Qwen3.5-9B"
+            assert client.get("/v1/providers/local", headers=auth).json()["settings"] == {
+                "endpoint": f"http://127.0.0.1:{sim_port}/v1"}
+
+            # The redacted GET posted back, and an invalid interval: 400, file unchanged.
+            before = path.read_bytes()
+            shown = client.get("/v1/providers/secret", headers=auth).json()
+            assert shown["settings"]["auth"]["api_key"] == MASK
+            resp = client.post("/v1/providers/secret", headers=auth, json=shown)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "redacted_value"
+            bad = copy.deepcopy(example)
+            bad["settings"]["probes"][0]["interval"] = -1
+            resp = client.post("/v1/providers/local", headers=auth, json=bad)
+            assert resp.status_code == 400
+            assert resp.json()["error"]["message"] == (
+                "providers[0].settings.probes[0].interval: expected a number > 0, got -1")
+            assert path.read_bytes() == before
+
+            assert client.delete("/v1/providers/local", headers=auth).status_code == 204
+            assert client.get("/v1/providers/local", headers=auth).status_code == 404
+            names = [p["name"] for p in gridctl_status(sock)["role_status"]["providers"]]
+            assert names == ["keyed", "secret"]
+
+        operator.send_signal(signal.SIGTERM)
+        assert operator.wait(timeout=20) == 0
+        assert "stopped" in operator.stderr.read()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@pytest.mark.realproc
+def test_operator_without_token_refuses_a_non_loopback_api(tmp_path):
+    path = tmp_path / "operator.yaml"
+    path.write_text(CONFIG.format(api="").replace("127.0.0.1:0", "0.0.0.0:0")
+                    .replace("state_dir: state", "state_dir: state\ncontrol_socket: run/op.sock"))
+    out = subprocess.run([sys.executable, "-m", "gridd", "run", "--config", str(path)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, **ENV})
+    assert out.returncode == 1
+    assert "api.admin_token: required when the providers API listens beyond loopback" in out.stderr
