@@ -242,7 +242,8 @@ class Daemon:
             "version": __version__,
             "pid": __import__("os").getpid(),
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
-            "state": "draining" if self._draining else "serving",
+            # The control socket answers from the start: "starting" until READY=1.
+            "state": "draining" if self._draining else ("serving" if self._started else "starting"),
             "config_file": str(self.loaded.path),
             "config_loaded_at": self.loaded.loaded_at,
             "last_reload": self.last_reload,

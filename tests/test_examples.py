@@ -25,11 +25,12 @@ def gridctl(sock, *args):
 
 
 def wait_status(sock, deadline_s=20.0) -> dict:
+    """Status once the daemon is serving (its control socket answers earlier, "starting")."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         out = gridctl(sock, "status", "--json")
-        if out.returncode == 0:
-            return json.loads(out.stdout)["status"]
+        if out.returncode == 0 and (status := json.loads(out.stdout)["status"])["state"] == "serving":
+            return status
         time.sleep(0.2)
     raise AssertionError(f"no status on {sock}: {out.stderr}")
 

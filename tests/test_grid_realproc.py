@@ -117,7 +117,8 @@ def gridctl_json(grid, name: str) -> dict:
     out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
                           "--socket", str(grid["ws"] / "run" / f"{name}.sock"), "status", "--json"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
+    if out.returncode != 0:
+        raise ValueError(f"gridctl: {out.stderr.strip()}")  # not up yet: wait_until retries
     return json.loads(out.stdout)["status"]
 
 

@@ -566,7 +566,9 @@ def test_real_operator_serves_the_providers_api(tmp_path):
                                     stderr=subprocess.PIPE, text=True, env=env)
         procs.append(operator)
         sock = tmp_path / "run" / "op.sock"
-        status = wait_for(lambda: gridctl_status(sock), "the operator's status")
+        # The control socket answers from the start, before the role's listeners are up.
+        status = wait_for(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
+                          "the operator serving")
         assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer"}
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
 
