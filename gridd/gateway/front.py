@@ -61,6 +61,8 @@ INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/emb
 _GET_PATHS = frozenset({"/v1/models", "/healthz", "/readyz", "/metrics"})
 _PIN = PIN_HEADER.encode("ascii")
 SERVED_BY = b"x-gridd-served-by"
+SSE_DONE = b"data: [DONE]\n\n"
+"""The last event of an OpenAI-compatible stream."""
 
 # Retry-After: the decision's hint clamped to [1, 60] s, plus 0..25 % jitter from the injected
 # rng so clients told to come back do not return in step, rounded up to whole seconds.
@@ -249,12 +251,14 @@ class _Exchange:
     watcher's scope, stopped as the last body message goes out (the watcher has nothing left
     to guard, and ends during that send instead of costing a scheduler pass afterwards)."""
 
-    __slots__ = ("site", "outcome", "watching")
+    __slots__ = ("site", "outcome", "watching", "stream_done")
 
     def __init__(self, site: str) -> None:
         self.site = site
         self.outcome: str | None = None
         self.watching = trio.CancelScope()
+        self.stream_done = False
+        """The OpenAI stream terminator reached the client: a hang-up after it is not a loss."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,10 +422,10 @@ class FrontApp:
             try:
                 await self._attempts(scope, send, exchange, forward, model, pin, body, started)
             except ClientDisconnected:
-                exchange.outcome = "client_closed"
+                exchange.outcome = "ok" if exchange.stream_done else "client_closed"
             exchange.watching.cancel()
         if exchange.outcome is None:
-            exchange.outcome = "client_closed"
+            exchange.outcome = "ok" if exchange.stream_done else "client_closed"
         if exchange.outcome == "client_closed":
             logger.debug("client left %s for model %r (site %s)", scope["path"], model, exchange.site)
 
@@ -525,8 +529,11 @@ class FrontApp:
                         await send(head)
                         head_sent = True
                         metrics.observe_first_byte(target.site, trio.current_time() - started)
-                    if not more:
+                    if not more or chunk.endswith(SSE_DONE):
+                        # The client has everything once this goes out (the last byte, or the
+                        # OpenAI stream terminator); its hanging up next is not a lost answer.
                         exchange.watching.cancel()
+                        exchange.stream_done = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": more})
                     finished = not more
                     bound.deadline = trio.current_time() + idle_s
