@@ -55,7 +55,7 @@ AggregateMethod = Literal[
 
 
 class AggregateConfig(Base):
-    window: PositiveInt = 20
+    window: Annotated[int, msgspec.Meta(gt=0, le=10_000)] = 20
     method: AggregateMethod = "mean"
 
 
@@ -71,12 +71,14 @@ class ProbeConfig(Base):
     extract: list[ExtractRule]
     enabled: bool = True
     endpoint: Url | None = None
-    interval: Positive = 10.0
-    timeout: Positive = 5.0
+    # Bounded: a probe is scrape load on the backend (spec: "keep interval sane"), and the
+    # schedule arithmetic and memory must stay finite.
+    interval: Annotated[float, msgspec.Meta(ge=0.1, le=86_400)] = 10.0
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=3_600)] = 5.0
     method: Literal["GET", "POST", "HEAD"] = "GET"
     aggregate: AggregateConfig = AggregateConfig()
     publish: list[PublishSink] = msgspec.field(default_factory=lambda: [PublishSink(to="metadata")])
-    max_series: PositiveInt = 200
+    max_series: Annotated[int, msgspec.Meta(gt=0, le=10_000)] = 200
 
 
 # -- providers ----------------------------------------------------------------------------
@@ -388,7 +390,7 @@ def _check_semantics(cfg: Config) -> None:
             if not parsed.host:
                 raise httpx.InvalidURL("no host")
         except (httpx.InvalidURL, ValueError) as exc:
-            fail(path, f"not a usable URL ({exc}): {url!r}")
+            fail(path, f"not a usable URL ({exc})")
 
     seen: set[str] = set()
     for i, p in enumerate(cfg.providers):
@@ -408,6 +410,7 @@ def _check_semantics(cfg: Config) -> None:
             if probe.name in probe_names:
                 fail(f"{where}.name", f"duplicate probe name {probe.name!r} in this provider")
             probe_names.add(probe.name)
+            check_url(f"{where}.endpoint", probe.endpoint)
             if not probe.extract:
                 fail(f"{where}.extract", "expected at least one extract rule")
             for k, rule in enumerate(probe.extract):

@@ -72,7 +72,7 @@ providers:
     ("text", "message"),
     [
         (PROBE_PROVIDERS.replace("INTERVAL", "-1"),
-         "providers[2].settings.probes[0].interval: expected a number > 0, got -1"),
+         "providers[2].settings.probes[0].interval: expected a number >= 0.1, got -1"),
         (PROBE_PROVIDERS.replace("INTERVAL", "soon"),
          "providers[2].settings.probes[0].interval: expected a number, got 'soon'"),
         ("role: operator\nsite: a\nbogus: 1\n", "bogus: unknown field"),
@@ -189,4 +189,4 @@ def test_check_config_broken_exit_2_names_path(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gridd", "check-config", str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "providers[2].settings.probes[0].interval: expected a number > 0, got -1" in proc.stderr
+    assert "providers[2].settings.probes[0].interval: expected a number >= 0.1, got -1" in proc.stderr

@@ -669,3 +669,17 @@ async def test_a_bug_in_a_tick_is_counted_and_the_probe_goes_on(tmp_path, autoju
         assert rig.stats().failures == {"internal": 3} and rig.stats().ticks == 3
         assert len([r for r in caplog.records if "tick failed" in r.getMessage()]) == 3
         nursery.cancel_scope.cancel()
+
+
+def test_a_quadratic_regex_on_a_hostile_body_times_out_instead_of_blocking():
+    import time as _time
+
+    from gridd.config import ExtractRule
+    from gridd.core.probes import Extractor, ExtractTimeout
+
+    extractor = Extractor([ExtractRule(regex=r"(\w+)\s+(\d+)")])  # passes the static hazard check
+    started = _time.perf_counter()
+    with pytest.raises(ExtractTimeout):
+        extractor.extract(b"a" * 262_144, budget_s=0.2)
+    assert _time.perf_counter() - started < 2.0  # the stdlib engine needed ~10 minutes here
+    assert extractor.extract(b"waiting 3\n", budget_s=0.2) == {"waiting": 3.0}

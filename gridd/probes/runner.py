@@ -48,7 +48,7 @@ import msgspec
 import trio
 
 from gridd.config import ProbeConfig, ProviderConfig
-from gridd.core.probes import Extractor, ProbeSeries
+from gridd.core.probes import Extractor, ExtractTimeout, ProbeSeries
 from gridd.core.publication import ProviderPublisher
 from gridd.operator.scrape import FAILURE_CLASSES, ScrapeTarget, fetch_capped
 from gridd.probes.sinks import (
@@ -62,7 +62,7 @@ from gridd.probes.sinks import (
 
 log = logging.getLogger("gridd.probes")
 
-PROBE_FAILURE_CLASSES = (*FAILURE_CLASSES, "extract", "internal")
+PROBE_FAILURE_CLASSES = (*FAILURE_CLASSES, "extract", "extract_timeout", "internal")
 
 ProbeKey = tuple[str, str]
 """(provider name, probe name)."""
@@ -325,8 +325,11 @@ class ProbeRunner:
                 body, failure, detail = await fetch_capped(client, target, self.body_cap())  # type: ignore[arg-type]
         values: dict[str, float] = {}
         if failure is None and body is not None:
-            values = task.extractor.extract(body)
-            if not values:
+            try:
+                values = task.extractor.extract(body)
+            except ExtractTimeout as exc:
+                failure, detail = "extract_timeout", str(exc)
+            if failure is None and not values:
                 failure, detail = "extract", "no extract rule found a numeric value in the body"
         now = trio.current_time()
         if failure is not None:
