@@ -254,6 +254,17 @@ class LoadedConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 # -- loading ----------------------------------------------------------------------------------
 
+def placeholder_names(node: Any) -> set[str]:
+    """Every ``${VAR}`` name used anywhere in a raw config tree."""
+    if isinstance(node, str):
+        return {m.group(1) for m in _PLACEHOLDER.finditer(node)}
+    if isinstance(node, dict):
+        return set().union(*(placeholder_names(v) for v in node.values())) if node else set()
+    if isinstance(node, list):
+        return set().union(*(placeholder_names(v) for v in node)) if node else set()
+    return set()
+
+
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 """``${VAR}`` (required) or ``${VAR:-default}`` (default when VAR is unset)."""
 
@@ -460,7 +471,9 @@ def parse_config(text: str, *, env: dict[str, str] | None = None, source: str = 
     try:
         cfg = msgspec.convert(resolved, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc, resolved)) from None
+        # The offending value is shown as written (placeholders unresolved): an error message
+        # must never echo a value taken from the environment, which may be a secret.
+        raise ConfigError(_explain(exc, raw)) from None
     _check_semantics(cfg)
     return cfg, raw
 

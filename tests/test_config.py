@@ -190,3 +190,15 @@ def test_check_config_broken_exit_2_names_path(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "providers[2].settings.probes[0].interval: expected a number >= 0.1, got -1" in proc.stderr
+
+
+def test_errors_show_values_as_written_never_resolved_from_the_environment():
+    text = MINIMAL_OPERATOR + "timings: {scrape_interval_s: \"${SCRAPE_EVERY}\"}\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, env={"SCRAPE_EVERY": "hunter2-secret"})
+    assert "hunter2-secret" not in str(info.value)
+    assert str(info.value) == "timings.scrape_interval_s: expected a number, got '${SCRAPE_EVERY}'"
+    bad_url = MINIMAL_OPERATOR.replace('"http://127.0.0.1:8088/metrics"', '"http://u:${PW}@[::1/metrics"')
+    with pytest.raises(ConfigError) as info:
+        parse_config(bad_url, env={"PW": "pa55word"})
+    assert "pa55word" not in str(info.value)

@@ -329,7 +329,7 @@ async def test_create_and_delete(tmp_path):
 @pytest.mark.parametrize(("name", "body", "status", "code", "message", "param"), [
     ("local", {"settings": {**EXAMPLE_2["settings"], "probes": [{**EXAMPLE_2["settings"]["probes"][0],
                                                                   "interval": -1}]}},
-     400, "invalid_config", "providers[0].settings.probes[0].interval: expected a number > 0, got -1",
+     400, "invalid_config", "providers[0].settings.probes[0].interval: expected a number >= 0.1, got -1",
      "providers[0].settings.probes[0].interval"),
     ("fresh", {"settings": {"endpoint": "http://127.0.0.1:9000/v1"}},
      400, "invalid_config", "providers[3].model: required field is missing", "providers[3].model"),
@@ -338,9 +338,13 @@ async def test_create_and_delete(tmp_path):
      "providers[0].modle"),
     ("Bad_Name", {"model": "m", "settings": {"endpoint": "http://127.0.0.1:9000/v1"}},
      400, "invalid_config", "providers[3].name: expected a string matching", "providers[3].name"),
+    # a placeholder the running config does not use could send any environment variable
+    # to an endpoint of the caller's choice
     ("local", {"settings": {"endpoint": "http://127.0.0.1:9/v1", "auth": {"api_key": "${NOT_SET}"}}},
-     400, "invalid_config", "providers[0].settings.auth.api_key: environment variable NOT_SET is not set",
-     "providers[0].settings.auth.api_key"),
+     400, "unknown_placeholder", "placeholders the running config does not use: ${NOT_SET}", None),
+    ("local", {"settings": {"endpoint": "http://127.0.0.1:9/v1", "custom_headers": {}, "auth": {
+        "scheme": "header", "header_name": "x-leak", "api_key": "${HOME}"}}},
+     400, "unknown_placeholder", "placeholders the running config does not use: ${HOME}", None),
     ("local", {"name": "other", "model": "m"}, 400, "name_mismatch", "the body names provider 'other'", "name"),
     ("secret", {"settings": {"endpoint": "http://127.0.0.1:8090/v1", "auth": {"scheme": "bearer", "api_key": MASK}}},
      400, "redacted_value", "settings.auth.api_key: the value is the redaction mask", "settings.auth.api_key"),
@@ -365,13 +369,13 @@ async def test_redacted_get_posted_back_is_refused_until_resupplied(tmp_path):
     assert "re-supply the real value or a ${VAR} placeholder" in error_of(resp)["message"]
     assert rig.path.read_bytes() == before
     # Re-supplied: a placeholder for the key, the real values for the header and the URL.
-    shown["settings"]["auth"]["api_key"] = "${SECRET_KEY}"
+    shown["settings"]["auth"]["api_key"] = "${LLAMA_KEY}"  # a variable the config already uses
     shown["settings"]["auth"]["custom_headers"]["x-api-key"] = "hdr-secret"
     shown["metrics"]["url"] = "http://scraper:pw@127.0.0.1:8090/metrics"
     resp = await rig.client.post("/v1/providers/secret", json=shown)
     assert resp.status_code == 200, resp.text
-    assert rig.loaded.config.providers[2].settings.auth.api_key == "from-env"
-    assert rig.on_disk()["providers"][2]["settings"]["auth"]["api_key"] == "${SECRET_KEY}"
+    assert rig.loaded.config.providers[2].settings.auth.api_key == "llama-secret"  # resolved from LLAMA_KEY
+    assert rig.on_disk()["providers"][2]["settings"]["auth"]["api_key"] == "${LLAMA_KEY}"
 
 
 @pytest.mark.parametrize(("method", "path", "status", "allow"), [
@@ -616,7 +620,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
             resp = client.post("/v1/providers/local", headers=auth, json=bad)
             assert resp.status_code == 400
             assert resp.json()["error"]["message"] == (
-                "providers[0].settings.probes[0].interval: expected a number > 0, got -1")
+                "providers[0].settings.probes[0].interval: expected a number >= 0.1, got -1")
             assert path.read_bytes() == before
 
             assert client.delete("/v1/providers/local", headers=auth).status_code == 204

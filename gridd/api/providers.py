@@ -31,7 +31,7 @@ import msgspec
 import trio
 import yaml
 
-from gridd.config import Config, LoadedConfig, parse_config
+from gridd.config import Config, LoadedConfig, parse_config, placeholder_names
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import ClientDisconnected, parse_bind
 from gridd.metrics_app import send_simple
@@ -428,6 +428,15 @@ class ProvidersAPI:
         async with self._lock:
             loaded = self._loaded()
             tree, written, created = edit(loaded.raw)
+            # A placeholder resolves from the daemon's environment: a caller could otherwise
+            # send any variable it names (a token, a password) to an endpoint of its choice.
+            # Only names the running config already uses may appear.
+            unknown = sorted(placeholder_names(tree) - placeholder_names(loaded.raw))
+            if unknown:
+                raise ApiError(400, "placeholders the running config does not use: "
+                                    + ", ".join(f"${{{n}}}" for n in unknown)
+                                    + "; add them to the config file by hand first",
+                               code="unknown_placeholder")
             text = render_config(tree)
             try:
                 _, reparsed = await self._run_io(self._validate, text, str(loaded.path))
