@@ -162,11 +162,16 @@ class Batch(msgspec.Struct, frozen=True, omit_defaults=True):
     probes: dict[str, float] = {}
 
 
+_EvidenceName = Annotated[str, msgspec.Meta(max_length=253)]
+"""Site and provider names are far shorter (config allows 63); the bound keeps a gateway's
+reports, and the operator's durable ledger built from them, small."""
+
+
 class SkewEvidence(msgspec.Struct, frozen=True, array_like=True):
     """A batch rejected because its publisher epoch was too far ahead of the receiver."""
 
-    site: str
-    provider: str
+    site: _EvidenceName
+    provider: _EvidenceName
     publisher_epoch: int
     batch_sequence: int
 

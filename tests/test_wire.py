@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gridd import wire
 from gridd.core.readings import LatencyBlock, LoadSignals, Revision, UnitLoad
 from gridd.errors import GriddError
 from gridd.wire import (
@@ -524,3 +525,13 @@ def test_major_version_mismatch_decodes_then_is_refused():
     msg = decode(msgspec.msgpack.encode(_PollV0(protocol=PROTOCOL_VERSION + 1, sent_wall=0.0)))
     assert isinstance(msg, Poll)
     assert protocol_refusal(msg.protocol).reason == "protocol"
+
+
+def test_skew_evidence_names_are_bounded_on_decode():
+    big = wire.FeedbackReport(reporter_epoch=1, sequence=1, skew_drops=1,
+                              evidence=(wire.SkewEvidence("s" * 254, "p", 1, 1),))
+    frame = msgspec.msgpack.encode(big)
+    with pytest.raises(wire.WireDecodeError):
+        wire.decode(frame)
+    ok = msgspec.structs.replace(big, evidence=(wire.SkewEvidence("s" * 253, "p", 1, 1),))
+    assert wire.decode(wire.encode(ok)) == ok
