@@ -683,3 +683,41 @@ def test_a_quadratic_regex_on_a_hostile_body_times_out_instead_of_blocking():
         extractor.extract(b"a" * 262_144, budget_s=0.2)
     assert _time.perf_counter() - started < 2.0  # the stdlib engine needed ~10 minutes here
     assert extractor.extract(b"waiting 3\n", budget_s=0.2) == {"waiting": 3.0}
+
+
+def test_a_file_sink_cannot_target_gridds_own_files(tmp_path):
+    from gridd.config import load_config
+    from gridd.errors import ConfigError
+    from gridd.probes.sinks import check_sink_paths
+
+    def config_with(path: str):
+        (tmp_path / "op.yaml").write_text(f"""
+role: operator
+site: a
+state_dir: state
+providers:
+  - name: p
+    model: m
+    settings:
+      endpoint: "http://127.0.0.1:9/v1"
+      probes: [{{name: perf, extract: [{{json: a.b}}], publish: [{{to: file, path: "{path}"}}]}}]
+""")
+        return load_config(tmp_path / "op.yaml", env={})
+
+    check_sink_paths(config_with("probes/perf.jsonl"))  # an ordinary history file
+    for own in ("op.yaml", "state/providers.json", "state", "./state/../op.yaml"):
+        with pytest.raises(ConfigError, match=r"publish\[0\]\.path: .* would write over gridd's own files"):
+            check_sink_paths(config_with(own))
+
+
+async def test_a_sink_path_that_is_not_a_regular_file_is_an_io_error_not_a_hang(tmp_path):
+    import os as _os
+
+    from gridd.probes.sinks import JsonlHistory
+
+    fifo = tmp_path / "fifo.jsonl"
+    _os.mkfifo(fifo)
+    for target in (fifo, pathlib.Path("/dev/zero")):
+        history = JsonlHistory(target, max_entries=10, run_io=lambda fn, *a: fn(*a))
+        with trio.fail_after(5), pytest.raises(OSError):
+            await history.append(b'{"x": 1}\n')

@@ -45,7 +45,7 @@ from gridd.operator.signals import (
     load_signals_tls,
 )
 from gridd.probes.runner import ProbeRunner
-from gridd.probes.sinks import RunIO
+from gridd.probes.sinks import RunIO, check_sink_paths
 from gridd.state import ProviderRevision, StateDir, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
@@ -185,6 +185,7 @@ class OperatorService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
         check_signals_config(self.config)
+        check_sink_paths(self.loaded)
         check_api_exposure(self.config)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
@@ -363,6 +364,7 @@ class OperatorService:
     async def stage(self, new: LoadedConfig) -> StagedOperator:
         cfg, old = new.config, self.config
         check_signals_config(cfg)
+        check_sink_paths(new)
         check_api_exposure(cfg)
         if cfg.listen.http != old.listen.http:
             raise ConfigError("listen.http: changed; restart gridd to apply")

@@ -21,9 +21,11 @@ rewrite costs O(max_entries) and happens once per ``slack`` appends, O(1) per ti
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pathlib
+import stat
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +33,8 @@ from typing import Any
 import msgspec
 import trio
 
-from gridd.errors import StateError
+from gridd.config import LoadedConfig
+from gridd.errors import ConfigError, StateError
 from gridd.state import write_durably
 
 log = logging.getLogger("gridd.probes")
@@ -74,12 +77,24 @@ class MetadataSink:
         self.values = {}
 
 
+def _open_regular(path: pathlib.Path, flags: int) -> int:
+    """Open a history file, refusing anything but a regular file: no symlink (O_NOFOLLOW), no
+    device or FIFO (O_NONBLOCK, then fstat), since a sink path pointing at /dev/zero or a FIFO
+    would block a worker thread that cannot be cancelled."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _count_lines(path: pathlib.Path) -> tuple[int, bool]:
     """(records in the file, whether its last line lacks a newline). Missing file: (0, False)."""
     lines = 0
     last = b""
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as fh:
             while chunk := fh.read(1 << 20):
                 lines += chunk.count(b"\n")
                 last = chunk[-1:]
@@ -118,7 +133,7 @@ class JsonlHistory:
                 self.lines, partial = _count_lines(self.path)
                 if partial:
                     prefix = b"\n"
-            with open(self.path, "ab") as fh:
+            with os.fdopen(_open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as fh:
                 fh.write(prefix + record)
             self.lines += 1
             if self.max_entries and self.lines > self.max_entries + self.slack:
@@ -129,7 +144,7 @@ class JsonlHistory:
 
     def _compact(self) -> None:
         tail: deque[bytes] = deque(maxlen=self.max_entries)
-        with open(self.path, "rb") as fh:
+        with os.fdopen(_open_regular(self.path, os.O_RDONLY), "rb") as fh:
             tail.extend(fh)
         write_durably(self.path, b"".join(tail))
         self.lines = len(tail)
@@ -155,3 +170,25 @@ def file_sink_path(resolve: Callable[[str], pathlib.Path], path: str) -> pathlib
     """File paths are workspace-relative (spec 004): LoadedConfig.resolve, normalised so two
     spellings of one file share one JsonlHistory."""
     return pathlib.Path(os.path.normpath(resolve(path)))
+
+
+def check_sink_paths(loaded: LoadedConfig) -> None:
+    """A file sink must not write over the daemon's own files: its config, its TLS material,
+    its control socket or anything in its state directory (a sink appends to and rewrites its
+    file). Raises ConfigError naming the sink."""
+    cfg = loaded.config
+    own = {loaded.path.resolve()}
+    if cfg.tls is not None:
+        own |= {loaded.resolve(p).resolve() for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca)}
+    if cfg.control_socket:
+        own.add(loaded.resolve(cfg.control_socket).resolve())
+    state = loaded.resolve(cfg.state_dir).resolve()
+    for i, provider in enumerate(cfg.providers):
+        for j, probe in enumerate(provider.settings.probes):
+            for k, sink in enumerate(probe.publish):
+                if sink.to != "file" or not sink.path:
+                    continue
+                target = loaded.resolve(sink.path).resolve()
+                if target in own or target == state or state in target.parents:
+                    raise ConfigError(f"providers[{i}].settings.probes[{j}].publish[{k}].path: {sink.path!r} "
+                                      "would write over gridd's own files (config, TLS, control socket, state)")
