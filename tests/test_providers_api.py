@@ -162,8 +162,12 @@ def test_custom_header_redaction(header, masked):
 @pytest.mark.parametrize(("url", "shown"), [
     ("http://u:pw@h:1/metrics", f"http://u:{MASK}@h:1/metrics"),
     ("http://u:${PW}@h/metrics", "http://u:${PW}@h/metrics"),
-    ("http://u@h/metrics", "http://u@h/metrics"),
+    ("http://sk-live-123@h/metrics", f"http://{MASK}@h/metrics"),  # a token as the user name
+    ("http://${TOKEN}@h/metrics", "http://${TOKEN}@h/metrics"),
+    ("http://scraper:p@ssw0rd@h/metrics", f"http://scraper:{MASK}@h/metrics"),  # userinfo ends at the last @
     ("http://h/metrics?next=a:b@c", "http://h/metrics?next=a:b@c"),
+    ("http://h/metrics?api_key=sk-9&x=1", f"http://h/metrics?api_key={MASK}&x=1"),
+    ("http://h/metrics?api_key=${K}&x=1", "http://h/metrics?api_key=${K}&x=1"),
 ])
 def test_url_password_redaction(url, shown):
     provider = {"name": "p", "metrics": {"url": url}, "settings": {"endpoint": url, "probes": [{"endpoint": url}]}}

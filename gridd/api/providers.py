@@ -24,6 +24,7 @@ import logging
 import os
 import pathlib
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -135,8 +136,6 @@ _SECRET_HEADER = re.compile(r"auth|key|token|secret|passw|cookie|session|credent
 # an empty default) after an optional scheme word ("Bearer ${TOKEN}"). A non-empty default
 # (``${VAR:-sk-123}``) or any other literal text may be the secret itself and is masked.
 _NAMES_ONLY = re.compile(r"[A-Za-z][A-Za-z0-9_-]* +(?=\$)|\$\{[A-Za-z_][A-Za-z0-9_]*(?::-)?\}")
-# ``scheme://user:password@``: the password of a URL anywhere in the provider.
-_URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:)([^/?#@]*)(@)")
 
 
 def _names_only(value: str) -> bool:
@@ -151,12 +150,40 @@ def _masked(value: Any) -> Any:
     return MASK
 
 
+def _mask_url(value: str) -> str:
+    """Mask a URL's credentials: the whole userinfo (a token can be the user name alone) and
+    credential-named query parameters. Parsed like httpx parses it (userinfo ends at the
+    LAST ``@``). A URL with nothing to mask is returned byte for byte."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+    except ValueError:
+        return value
+    if not parts.scheme or not parts.netloc:
+        return value
+    netloc, masked = parts.netloc, False
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        if colon:
+            # user:password: the password is the secret (placeholders stay as written)
+            if password and not _names_only(password):
+                netloc, masked = f"{user}:{MASK}@{hostport}", True
+        elif user and not _names_only(user):
+            netloc, masked = f"{MASK}@{hostport}", True  # a token given as the user name alone
+    query = parts.query
+    if query:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        hidden = [(k, MASK if _SECRET_HEADER.search(k) and v and not _names_only(v) else v) for k, v in pairs]
+        if hidden != pairs:
+            query, masked = urllib.parse.urlencode(hidden, safe="*${}:-"), True
+    if not masked:
+        return value
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
 def _mask_url_passwords(node: Any) -> Any:
     if isinstance(node, str):
-        m = _URL_PASSWORD.match(node)
-        if m is None or m.group(2) == "" or _names_only(m.group(2)):
-            return node
-        return f"{m.group(1)}{MASK}{m.group(3)}{node[m.end():]}"
+        return _mask_url(node) if "://" in node else node
     if isinstance(node, dict):
         return {k: _mask_url_passwords(v) for k, v in node.items()}
     if isinstance(node, list):

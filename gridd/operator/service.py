@@ -391,7 +391,13 @@ class OperatorService:
         self._apply_providers(staged.revisions)
         if self.probes.running and not self._draining:
             # Only probes whose spec changed restart; the rest keep their schedule and window.
-            changes = self.probes.update(self.config.providers)
+            # A commit must not stop half-way (staging validated the probes; this is the
+            # backstop), so the peer and TLS updates below always happen.
+            try:
+                changes = self.probes.update(self.config.providers)
+            except Exception:
+                log.exception("probes could not be updated for the committed config")
+                changes = {}
             for what, keys in changes.items():
                 if keys:
                     log.info("probes %s: %s", what, ", ".join(f"{p}/{n}" for p, n in keys))
