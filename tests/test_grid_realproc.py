@@ -8,30 +8,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
+from realproc import free_ports, wait_until
 
 pytestmark = pytest.mark.realproc
 MODEL = "grid-model"
-DEADLINE_S = 30.0
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def gridd(*args: str, log=None) -> subprocess.Popen:
@@ -39,18 +27,6 @@ def gridd(*args: str, log=None) -> subprocess.Popen:
                             stderr=log or subprocess.DEVNULL, env={**os.environ})
 
 
-def wait_until(check, what: str, deadline_s: float = DEADLINE_S):
-    end = time.monotonic() + deadline_s
-    last = None
-    while time.monotonic() < end:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, OSError, ValueError) as exc:
-            last = exc
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {last!r}")
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,16 @@ import copy
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import trio
 import yaml
 from prometheus_client import CollectorRegistry
+from realproc import free_ports, wait_until
 
 from gridd.api.providers import (
     MASK,
@@ -522,16 +521,6 @@ async def test_operator_stage_guards_the_api(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # A real operator process
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def gridctl_status(sock) -> dict | None:
@@ -540,18 +529,6 @@ def gridctl_status(sock) -> dict | None:
     return json.loads(out.stdout)["status"] if out.returncode == 0 else None
 
 
-def wait_for(check, what: str, deadline_s: float = 30.0):
-    end = time.monotonic() + deadline_s
-    last = None
-    while time.monotonic() < end:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, OSError, ValueError) as exc:
-            last = exc
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {last!r}")
 
 
 @pytest.mark.realproc
@@ -575,10 +552,10 @@ def test_real_operator_serves_the_providers_api(tmp_path):
         procs.append(operator)
         sock = tmp_path / "run" / "op.sock"
         # The control socket answers from the start, before the role's listeners are up.
-        status = wait_for(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
+        status = wait_until(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
                           "the operator serving")
         assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer"}
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
 
         with httpx.Client(base_url=base, timeout=30) as client:
             assert client.get("/v1/providers").status_code == 401
@@ -601,7 +578,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
                 probe = local["probes"][0]
                 return probe if probe["running"] and probe["ticks"] >= 1 and probe["state"] == "ok" else None
 
-            probe = wait_for(probe_ticked, "the posted probe to run")
+            probe = wait_until(probe_ticked, "the posted probe to run")
             assert probe["name"] == "perf" and probe["endpoint"] == f"http://127.0.0.1:{sim_port}/metrics"
             assert gridctl_status(sock)["last_reload"]["source"] == "providers API"
             assert (tmp_path / "probes" / "local.perf.jsonl").exists()
