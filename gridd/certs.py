@@ -57,6 +57,13 @@ def _utc(ts: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC)
 
 
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """ECDSA signing only; a CA also signs certificates and CRLs."""
+    return x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                         data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+                         encipher_only=False, decipher_only=False)
+
+
 def create_ca(
     trust_domain: str, *, now: float, days: int
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
@@ -80,20 +87,7 @@ def create_ca(
         .not_valid_before(_utc(now - BACKDATE_SECONDS))
         .not_valid_after(_utc(now + days * 86400))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .add_extension(ski, critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .add_extension(
@@ -146,20 +140,7 @@ def issue_certificate(
         .not_valid_before(not_before)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
             critical=False,

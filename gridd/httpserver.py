@@ -33,6 +33,12 @@ import h11
 import trio
 
 __all__ = [
+    "ASGIApp",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
+    "answer_lifespan",
     "DEFAULT_KEEP_ALIVE_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_HEADER_BYTES",
@@ -641,7 +647,8 @@ async def _serve_h11(
 # The hypercorn backend
 
 
-async def _lifespan_noop(receive: Receive, send: Send) -> None:
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge the ASGI lifespan protocol (gridd's apps keep no start-up state in it)."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -679,7 +686,7 @@ class _HypercornAdapter:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan_noop(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)

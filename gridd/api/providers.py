@@ -25,7 +25,7 @@ import os
 import pathlib
 import re
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -34,7 +34,7 @@ import yaml
 
 from gridd.config import Config, LoadedConfig, parse_config, placeholder_names
 from gridd.errors import ConfigError, StateError
-from gridd.httpserver import ClientDisconnected, parse_bind
+from gridd.httpserver import ClientDisconnected, Receive, Scope, Send, parse_bind
 from gridd.metrics_app import send_simple
 from gridd.state import write_durably
 
@@ -54,10 +54,6 @@ __all__ = [
 
 log = logging.getLogger("gridd.api")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Reload = Callable[[], Awaitable[Mapping[str, Any]]]
 RunIO = Callable[..., Awaitable[Any]]
 

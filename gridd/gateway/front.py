@@ -24,7 +24,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,17 +45,13 @@ from gridd.gateway.forward import (
     upstream_target,
 )
 from gridd.gateway.router import PIN_HEADER, Forward, Router, Shed, Unavailable, UnknownModel
-from gridd.httpserver import ClientDisconnected
+from gridd.httpserver import ClientDisconnected, Receive, Scope, Send
 from gridd.metrics_app import send_simple
 
 __all__ = ["FrontLimits", "FrontMetrics", "make_front_app", "retry_after_seconds"]
 
 logger = logging.getLogger("gridd.gateway.front")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 _GET_PATHS = frozenset({"/v1/models", "/healthz", "/readyz", "/metrics"})

@@ -23,19 +23,15 @@ import itertools
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import trio
 
-from gridd.httpserver import serve_asgi
+from gridd.httpserver import Receive, Send, answer_lifespan, serve_asgi
 from gridd.sim import model as m
 from gridd.sim.metrics import CONTENT_TYPE, PoolStats, render_metrics
-
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
 
 REQUEST_BODY_LIMIT = 1 << 20
 ADMIN_BODY_LIMIT = 64 * 1024
@@ -141,7 +137,7 @@ class SimApp:
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -163,15 +159,6 @@ class SimApp:
                 await _send_json(send, 404, error_body(404, f"no route {path}"))
         except _ClientGone:
             return
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     # -- /metrics --------------------------------------------------------------------------
 
