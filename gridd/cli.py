@@ -218,6 +218,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"role        {s['role']}",
         f"site        {s['site']}",
         f"state       {s['state']}  (pid {s['pid']}, up {s['uptime_s']:.0f}s, gridd {s['version']})",
+        *([f"degraded    {s['role_status']['degraded']}"] if (s.get("role_status") or {}).get("degraded") else []),
         f"config      {s['config_file']}",
         f"loaded      {_age(s['config_loaded_at'])}",
     ]

@@ -197,9 +197,17 @@ class AvailabilityConfig(Base):
 
 
 class RoutingConfig(Base):
+    """Gateway routing knobs; docs/routing.md has each one's meaning and the measurements
+    behind the defaults."""
+
     capacity_floor: Positive = 1.0
     rho_smoothing: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
-    recent_window_s: Positive = 30.0
+    recent_window_s: Positive = 10.0
+    unit_capacity: Positive = 8.0
+    evidence_window_s: Positive = 60.0
+    pick_rule: Literal["two_choices", "spec_tiers"] = "two_choices"
+    pending_weight: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 4.0
+    candidate_retention_s: Positive = 600.0
 
 
 class SortKey(Base):

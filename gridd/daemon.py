@@ -236,6 +236,10 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         cfg = self.loaded.config
+        role_status = self.role.status()
+        state = "draining" if self._draining else ("serving" if self._started else "starting")
+        if state == "serving" and role_status.get("degraded"):
+            state = "degraded"  # serving, but something the role needs is missing (role_status says what)
         return {
             "role": cfg.role,
             "site": cfg.site,
@@ -243,13 +247,13 @@ class Daemon:
             "pid": __import__("os").getpid(),
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
             # The control socket answers from the start: "starting" until READY=1.
-            "state": "draining" if self._draining else ("serving" if self._started else "starting"),
+            "state": state,
             "config_file": str(self.loaded.path),
             "config_loaded_at": self.loaded.loaded_at,
             "last_reload": self.last_reload,
             "metrics": self.metrics_urls,
             "tasks": running_task_names(),
-            "role_status": self.role.status(),
+            "role_status": role_status,
         }
 
 

@@ -236,6 +236,7 @@ class Batches(msgspec.Struct, frozen=True, tag="batches", tag_field="kind", omit
     sent_wall: float
     batches: tuple[Batch, ...] = ()
     unchanged: tuple[SourceKey, ...] = ()
+    removed: tuple[SourceKey, ...] = ()
 
 
 class ServingConfig(msgspec.Struct, frozen=True, tag="serving", tag_field="kind", omit_defaults=True):

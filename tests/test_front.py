@@ -63,6 +63,9 @@ class FakeRouter:
     def ready(self):
         return self.is_ready
 
+    def not_ready_reason(self):
+        return None if self.is_ready else "no routing data from the operator: no poll has succeeded yet"
+
 
 def always(decision):
     return lambda model, pinned, exclude: decision if model == MODEL else UnknownModel()

@@ -1,19 +1,38 @@
 """Capacity learning and saturation (rho) for one routing candidate (site, provider).
 
 The gateway never counts its own requests (spec: Site Selection). It reads each
-candidate's load from the batches its operator relays and learns, per candidate:
+candidate's load from the batches its operator relays and learns, per candidate, a soft
+bound "from the most in-flight held with nothing queued" and a hard bound "from the least
+held at a demonstrated limit", and reads the in-flight count "against the lesser bound,
+never below the floor". What counts as evidence (docs/routing.md, "Capacity learning",
+has the measurements behind each choice):
+
+- Evidence is kept **per serving unit** (in-flight / units), so a pool that scales from 4
+  to 8 endpoints doubles its capacity at its next batch, and it **ages**: a sample counts
+  for ``evidence_window_s`` (60 s), never as an all-time extreme.
+- **Before any evidence**, a unit is assumed to hold ``unit_capacity`` requests (the
+  prior), so a site's size counts from its first batch: capacity is proportional to the
+  serving units the batch reports (ready endpoints, or engines for plain vLLM).
+- **Soft evidence** (nothing queued at x requests per unit) says a unit holds at least x.
+  Being at the soft bound is not "no room": nothing waited there. So the estimate probes
+  above it: the soft side of the bound is ``max(prior, SOFT_PROBE x soft)``.
+- **A demonstrated limit** is the provider's limit, not one request waiting behind a long
+  one at one endpoint while the others idle. A serving unit only queues once its own
+  batch is full, so a unit with work waiting demonstrates *its* limit: the requests it is
+  running. That count is read where the exposition has it (vLLM engines report running
+  per engine; an EPP with the in-flight producer reports in-flight per endpoint, and
+  running = in-flight - waiting). Without per-unit running, the pool's mean running
+  count is the limit only when every unit has work waiting, or flow control holds
+  requests (the EPP holds only when its saturation detector says the pool is full).
+- ``bound = max(units x min(soft side, hard), floor)`` with
+  ``hard`` = the least per-unit limit demonstrated within the window.
 
     in_flight = (mean running + mean waiting per unit) x units + flow-control queue
-    soft      = the most in_flight seen with nothing queued
-    hard      = the least in_flight seen while work was waiting
-    bound     = max(min(soft, hard), floor)      (only the learned bounds that exist)
     raw rho   = max(in_flight / bound, kv_mean + kv_spread)
     rho       = alpha * raw + (1 - alpha) * previous rho, once per new sample
     recent worst rho = the largest rho of the samples taken in the last recent_window_s
 
-`units` is the EPP's ready-endpoint count, or for a plain vLLM provider (no
-ready-endpoint series) the number of engines sampled. Everything here is pure:
-``now`` is a monotonic float of seconds passed in by the caller.
+Everything here is pure: ``now`` is a monotonic float of seconds passed in by the caller.
 """
 
 from __future__ import annotations
@@ -21,11 +40,17 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from gridd.core.readings import LoadSignals, Revision
+from gridd.core.readings import LoadSignals, Revision, UnitLoad
 
 DEFAULT_FLOOR = 1.0
 DEFAULT_ALPHA = 0.5
-DEFAULT_RECENT_WINDOW_S = 30.0
+DEFAULT_RECENT_WINDOW_S = 10.0
+DEFAULT_UNIT_CAPACITY = 8.0
+"""Requests one serving unit is assumed to hold before it has shown anything (the prior)."""
+DEFAULT_EVIDENCE_WINDOW_S = 60.0
+"""How long one sample counts as soft or hard evidence."""
+SOFT_PROBE = 1.5
+"""The soft side of the bound sits this far above the most held with nothing queued."""
 
 
 def serving_units(load: LoadSignals) -> int | None:
@@ -97,10 +122,133 @@ def queue_depth(load: LoadSignals | None) -> float:
     return (unit_waiting(load) or 0.0) + load.flow_queue
 
 
+def _unit_running(u: UnitLoad, load: LoadSignals) -> float | None:
+    """One unit's running count: its own gauge (vLLM), its in-flight less its queue (EPP
+    with the in-flight producer), else the pool mean."""
+    if u.running is not None:
+        return u.running
+    if u.in_flight is not None and u.waiting is not None:
+        return max(0.0, u.in_flight - u.waiting)
+    return load.avg_running
+
+
+def every_unit_waits(load: LoadSignals) -> bool:
+    """Every serving unit has requests waiting (no per-unit series: the pool mean does)."""
+    if load.units:
+        return all(u.waiting is not None and u.waiting > 0 for u in load.units)
+    return load.avg_waiting is not None and load.avg_waiting > 0
+
+
+def backlogged(load: LoadSignals) -> bool:
+    """The provider holds work it cannot start (spec: "queue_full per serving unit, or any
+    work held before scheduling"): a unit's queue is at its configured limit
+    (``queue_full_at``), flow control holds requests, or, with no limit configured, every
+    serving unit's queue is at least as deep as its batch (a new request would wait about
+    a whole service time anywhere in the pool). A queue at one endpoint, or a short queue
+    at every endpoint, is what any busy pool shows in passing, not a pool that is full:
+    measured in the routing simulator, that reading shed requests at 70% offered load."""
+    if load.queue_full_units > 0 or load.flow_queue > 0:
+        return True
+    if load.units:
+        for u in load.units:
+            running = _unit_running(u, load)
+            if u.waiting is None or u.waiting <= 0 or u.waiting < (running or 0.0):
+                return False
+        return True
+    return (load.avg_waiting is not None and load.avg_waiting > 0
+            and load.avg_waiting >= (load.avg_running or 0.0))
+
+
 def saturated_with_work_waiting(rho: float | None, load: LoadSignals | None) -> bool:
-    """A candidate is *full*: saturated (rho >= 1) with work waiting. The one test both
-    selection's "sites not full" and shedding's "saturated ... with work waiting" use."""
-    return rho is not None and rho >= 1.0 and load is not None and work_waiting(load)
+    """A candidate is *full*: saturated (rho >= 1) and backlogged. The one test both
+    selection ("sites not full") and shedding use."""
+    return rho is not None and rho >= 1.0 and load is not None and backlogged(load)
+
+
+def demonstrated_unit_limit(load: LoadSignals) -> float | None:
+    """The requests one serving unit held at a demonstrated limit in this sample, or None.
+
+    A unit queues only once its own batch is full, so a unit with work waiting shows its
+    limit: what it is running. Per-unit running comes from a vLLM engine's own gauge, or
+    from an EPP endpoint's in-flight count (in-flight producer) less its queue. Without
+    per-unit running, the pool's mean running count is a limit only when every unit has
+    work waiting or flow control holds requests: one request queued behind a long one at
+    one endpoint while the others idle is not the provider's limit.
+    """
+    limits: list[float] = []
+    for u in load.units:
+        if u.waiting is None or u.waiting <= 0:
+            continue
+        running = u.running
+        if running is None and u.in_flight is not None:
+            running = u.in_flight - u.waiting
+        if running is not None and running > 0:
+            limits.append(running)
+    if limits:
+        return sum(limits) / len(limits)
+    if load.avg_running is None or load.avg_running <= 0:
+        return None
+    if every_unit_waits(load) or load.flow_queue > 0:
+        return load.avg_running
+    return None
+
+
+class _WindowExtreme:
+    """The largest (or, with ``keep_min``, the least) value among samples taken within the
+    last ``window_s`` seconds: a monotonic deque, O(1) amortised per sample."""
+
+    __slots__ = ("_samples", "_keep_min")
+
+    def __init__(self, *, keep_min: bool) -> None:
+        self._samples: deque[tuple[float, float]] = deque()
+        self._keep_min = keep_min
+
+    def add(self, now: float, value: float) -> None:
+        samples = self._samples
+        if self._keep_min:
+            while samples and samples[-1][1] >= value:
+                samples.pop()
+        else:
+            while samples and samples[-1][1] <= value:
+                samples.pop()
+        samples.append((now, value))
+
+    def value(self, now: float, window_s: float) -> float | None:
+        """The extreme of the samples taken at t with now - t < window_s, or None."""
+        samples = self._samples
+        while samples and now - samples[0][0] >= window_s:
+            samples.popleft()
+        return samples[0][1] if samples else None
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+
+class _WindowMean:
+    """The mean of the samples taken within the last ``window_s`` seconds."""
+
+    __slots__ = ("_samples", "_sum")
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+
+    def add(self, now: float, value: float) -> None:
+        self._samples.append((now, value))
+        self._sum += value
+
+    def value(self, now: float, window_s: float) -> float | None:
+        samples = self._samples
+        while samples and now - samples[0][0] >= window_s:
+            self._sum -= samples.popleft()[1]
+        if not samples:
+            self._sum = 0.0
+            return None
+        return self._sum / len(samples)
+
+    def clear(self) -> None:
+        self._samples.clear()
+        self._sum = 0.0
 
 
 class CapacityLearner:
@@ -123,8 +271,9 @@ class CapacityLearner:
     """
 
     __slots__ = (
-        "_floor", "_alpha", "_window_s", "_identity", "_last_order",
-        "_soft", "_hard", "_rho", "_in_flight", "_recent", "_learning",
+        "_floor", "_alpha", "_window_s", "_unit_capacity", "_evidence_window_s", "_identity",
+        "_last_order", "_soft", "_hard", "_units", "_rho", "_in_flight", "_recent", "_learning",
+        "_last_at",
     )
 
     def __init__(
@@ -133,30 +282,40 @@ class CapacityLearner:
         floor: float = DEFAULT_FLOOR,
         alpha: float = DEFAULT_ALPHA,
         recent_window_s: float = DEFAULT_RECENT_WINDOW_S,
+        unit_capacity: float = DEFAULT_UNIT_CAPACITY,
+        evidence_window_s: float = DEFAULT_EVIDENCE_WINDOW_S,
     ) -> None:
-        if not (math.isfinite(floor) and floor > 0):
-            raise ValueError(f"capacity floor must be a positive number, got {floor!r}")
-        if not (0 < alpha <= 1):
-            raise ValueError(f"rho smoothing alpha must be in (0, 1], got {alpha!r}")
-        if not (math.isfinite(recent_window_s) and recent_window_s > 0):
-            raise ValueError(f"recent window must be a positive number of seconds, got {recent_window_s!r}")
-        self._floor = float(floor)
-        self._alpha = float(alpha)
-        self._window_s = float(recent_window_s)
         self._identity: tuple[str, int, int] | None = None
         self._last_order: tuple[int, int] | None = None
-        self._soft: float | None = None
-        self._hard: float | None = None
+        # Per-unit evidence: soft = most held with nothing queued, hard = least demonstrated limit.
+        self._soft = _WindowExtreme(keep_min=False)
+        self._hard = _WindowMean()
+        self._units: int | None = None
         self._rho: float | None = None
         self._in_flight: float | None = None
         # (taken_at, rho) with rho strictly decreasing left to right: the sliding-window
         # maximum is the leftmost entry that has not aged out.
         self._recent: deque[tuple[float, float]] = deque()
         self._learning = False
+        self._last_at: float | None = None
+        self.retune(floor=floor, alpha=alpha, recent_window_s=recent_window_s, unit_capacity=unit_capacity,
+                    evidence_window_s=evidence_window_s)
 
-    def retune(self, *, floor: float, alpha: float, recent_window_s: float) -> None:
-        """A committed reload's knobs; learned bounds and the rho history are kept."""
-        self._floor, self._alpha, self._window_s = float(floor), float(alpha), float(recent_window_s)
+    def retune(self, *, floor: float, alpha: float, recent_window_s: float,
+               unit_capacity: float = DEFAULT_UNIT_CAPACITY,
+               evidence_window_s: float = DEFAULT_EVIDENCE_WINDOW_S) -> None:
+        """(Re)set the knobs; a committed reload keeps the learned evidence and rho history."""
+        for name, value in (("capacity floor", floor), ("unit capacity", unit_capacity),
+                            ("recent window", recent_window_s), ("evidence window", evidence_window_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not (0 < alpha <= 1):
+            raise ValueError(f"rho smoothing alpha must be in (0, 1], got {alpha!r}")
+        self._floor = float(floor)
+        self._alpha = float(alpha)
+        self._window_s = float(recent_window_s)
+        self._unit_capacity = float(unit_capacity)
+        self._evidence_window_s = float(evidence_window_s)
 
     def observe(
         self,
@@ -189,25 +348,28 @@ class CapacityLearner:
                 return
             self._last_order = order
             if revision.batch_samples == 0:
-                self._soft = None
-                self._hard = None
+                self._soft.clear()
+                self._hard.clear()
 
+        self._last_at = now
+        units = serving_units(load)
+        if units:
+            self._units = units
         in_flight = gateway_in_flight(load)
         self._in_flight = in_flight
         self._learning = complete and revision is not None and revision.batch_samples > 0
-        if self._learning and in_flight is not None:
+        if self._learning and in_flight is not None and units:
             if nothing_queued(load):
-                if self._soft is None or in_flight > self._soft:
-                    self._soft = in_flight
-            elif work_waiting(load):
-                if self._hard is None or in_flight < self._hard:
-                    self._hard = in_flight
+                self._soft.add(now, in_flight / units)
+            limit = demonstrated_unit_limit(load)
+            if limit is not None:
+                self._hard.add(now, limit)
 
-        # Bounds first, then rho: a sample that shows work waiting at a new low lowers the
-        # hard bound it is read against, so a candidate that queues reads rho >= 1.
+        # Evidence first, then rho: a sample that demonstrates a limit below the current
+        # estimate is read against the bound it just set.
         raw: float | None = None
         if in_flight is not None:
-            raw = in_flight / self.bound
+            raw = in_flight / self.capacity(now)
         if load.kv_mean is not None:
             kv = load.kv_mean + (load.kv_spread or 0.0)
             raw = kv if raw is None else max(raw, kv)
@@ -222,32 +384,38 @@ class CapacityLearner:
             recent.popleft()
 
     def _forget(self) -> None:
-        self._soft = None
-        self._hard = None
+        self._soft.clear()
+        self._hard.clear()
+        self._units = None
         self._rho = None
         self._in_flight = None
         self._recent.clear()
 
+    def unit_bounds(self, now: float) -> tuple[float | None, float | None]:
+        """(soft, hard) per-unit evidence still within the evidence window at ``now``."""
+        return (self._soft.value(now, self._evidence_window_s), self._hard.value(now, self._evidence_window_s))
+
+    def capacity(self, now: float) -> float:
+        """Capacity in requests at ``now``: units x the lesser of the soft side (the prior, or
+        SOFT_PROBE x the most held with nothing queued) and the least demonstrated limit,
+        never below the floor. With no unit count known yet, the floor."""
+        if self._units is None:
+            return self._floor
+        soft, hard = self.unit_bounds(now)
+        per_unit = self._unit_capacity if soft is None else max(self._unit_capacity, SOFT_PROBE * soft)
+        if hard is not None:
+            per_unit = min(per_unit, hard)
+        return max(self._units * per_unit, self._floor)
+
     @property
     def bound(self) -> float:
-        """Capacity in requests: the lesser learned bound, never below the floor. With
-        only one bound learned it is that one; with none, the floor."""
-        soft, hard = self._soft, self._hard
-        if soft is None:
-            learned = hard
-        elif hard is None:
-            learned = soft
-        else:
-            learned = min(soft, hard)
-        return self._floor if learned is None else max(learned, self._floor)
+        """Capacity as of the latest new sample (see :meth:`capacity`)."""
+        return self.capacity(self._last_at) if self._last_at is not None else self._floor
 
     @property
-    def soft_bound(self) -> float | None:
-        return self._soft
-
-    @property
-    def hard_bound(self) -> float | None:
-        return self._hard
+    def units(self) -> int | None:
+        """Serving units of the latest sample that reported them."""
+        return self._units
 
     @property
     def rho(self) -> float | None:

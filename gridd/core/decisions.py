@@ -30,9 +30,16 @@ class Shed(msgspec.Struct, frozen=True):
 
 
 class Unavailable(msgspec.Struct, frozen=True):
-    """The model exists but every candidate is excluded (not ready, zero endpoints): 503."""
+    """No site can serve the model now: 503 with Retry-After.
+
+    cause: ``excluded`` (every candidate excluded: not ready, zero endpoints, no route),
+    ``silent`` (every candidate went silent: no reading for 2 x the signal TTL), or
+    ``no_operator_data`` (the gateway has no routing data from its operator: no poll has
+    succeeded, or none within the signal TTL; it cannot tell which models exist).
+    """
 
     retry_after_s: float
+    cause: str = "excluded"
 
 
 class UnknownModel(msgspec.Struct, frozen=True):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import msgspec
 
-from gridd.wire import Batch, with_added_age
+from gridd.wire import Batch, SourceKey, with_added_age
 
 
 class Held(msgspec.Struct, frozen=True):
@@ -26,13 +26,30 @@ class Holdings:
     def __init__(self) -> None:
         self._latest: dict[tuple[str, str], Held] = {}
         self._qualified: dict[tuple[str, str], Held] = {}
+        # Providers removed from a site's config, with when: announced to gateways (and, for
+        # the own site, to peers) so they answer 404 within one poll instead of holding
+        # the provider as silent (503) for their retention time.
+        self._removed: dict[tuple[str, str], float] = {}
 
     def hold(self, batch: Batch, now: float) -> None:
         key = (batch.site, batch.provider)
         held = Held(batch, now)
         self._latest[key] = held
+        self._removed.pop(key, None)
         if batch.complete and batch.revision is not None:
             self._qualified[key] = held
+
+    def remove(self, site: str, provider: str, now: float) -> None:
+        """The provider left its site's config: forget it and announce the removal."""
+        self.forget(site, provider)
+        self._removed[(site, provider)] = now
+
+    def removed(self, now: float, retention_s: float, *, site: str | None = None) -> tuple[SourceKey, ...]:
+        """Removals announced within ``retention_s`` (older ones are dropped); ``site``
+        limits them to one site (what a peer operator is sent)."""
+        for key in [k for k, at in self._removed.items() if now - at > retention_s]:
+            del self._removed[key]
+        return tuple(SourceKey(s, p) for (s, p) in self._removed if site is None or s == site)
 
     def forget(self, site: str, provider: str) -> None:
         self._latest.pop((site, provider), None)

@@ -94,59 +94,68 @@ def _order_key(view: CandidateView) -> tuple[float, float, float, str, str]:
     return (_load_score(view), -view.capacity, view.queue_depth, view.site, view.provider)
 
 
-def _capacity_key(view: CandidateView) -> tuple[float, float, str, str]:
-    # "by capacity ..., tied on queue depth"; site and provider make the rest deterministic.
-    return (-view.capacity, view.queue_depth, view.site, view.provider)
+class Tier(msgspec.Struct, frozen=True):
+    """Candidates of one preference tier, with what a draw proportional to capacity needs.
+
+    candidates: in order (least loaded first); capacities: theirs; cum: running sums of
+    the capacities; total: their sum.
+    """
+
+    candidates: tuple[CandidateView, ...] = ()
+    capacities: tuple[float, ...] = ()
+    cum: tuple[float, ...] = ()
+    total: float = 0.0
+
+    @classmethod
+    def of(cls, candidates: Iterable[CandidateView]) -> Tier:
+        members = tuple(candidates)
+        capacities = tuple(v.capacity for v in members)
+        cum: list[float] = []
+        total = 0.0
+        for c in capacities:
+            total += c
+            cum.append(total)
+        return cls(members, capacities, tuple(cum), total)
+
+    def __len__(self) -> int:
+        return len(self.candidates)
 
 
-class OrderedSnapshot:
+class OrderedSnapshot(msgspec.Struct, frozen=True):
     """One model's resolved order. Immutable once built; safe to share across tasks.
+
+    Preference tiers (decided by the routing-quality issue, docs/routing.md): room, then
+    fresh and not full, then fresh and full, then no fresh signal.
 
     model: the model name.
     ordered: healthy candidates, least loaded first (recent worst rho ascending, then
         higher capacity, lower queue depth, site, provider); stale ones last.
     excluded: unhealthy candidates, never picked; non-empty with ``ordered`` empty
         means 503 (the model exists but cannot be served now), both empty means unknown.
-    room: the candidates of ``ordered`` with room (fresh, rho < 1), in the same order.
-    room_capacity: their capacities; room_cum: running sums; room_total: their sum.
-    pair_first_p: with exactly two in ``room``, the chance of room[0]:
+    fresh: the healthy candidates with a fresh reading, in ``ordered`` order.
+    room: the candidates with room (fresh, rho < 1), in ``ordered`` order.
+    pair_first_p: with exactly two in ``room``, the chance of the first:
         w0 / (w0 + w1) with w = capacity / (1 + rho).
-    fallback: the no-room pick (fresh and not full, else stale), or None.
-    fallback_stale: the fallback is a stale candidate.
-    overflow: the candidate routed to when every healthy one is full, or None.
-    all_full: every healthy candidate is fresh and full (shedding's "every healthy site
-        saturated with work waiting"); False when none is healthy.
-    any_full: some healthy, fresh candidate is full.
+    not_full: fresh candidates without room that are not full (the no-room tier).
+    full: every fresh healthy candidate, when all of them are full (else empty).
+    stale: the candidates with no fresh reading, when no fresh healthy one is left (else
+        empty): used only when nothing else is.
+    all_full: there are fresh healthy candidates and every one is full (shedding's
+        "every healthy site saturated with work waiting"); stale ones do not count.
     none_healthy_retry_after_s: the Retry-After hint when no candidate is healthy.
     """
-
-    __slots__ = (
-        "model", "ordered", "excluded", "room", "room_capacity", "room_cum", "room_total",
-        "pair_first_p", "fallback", "fallback_stale", "overflow", "all_full", "any_full",
-        "none_healthy_retry_after_s",
-    )
 
     model: str
     ordered: tuple[CandidateView, ...]
     excluded: tuple[CandidateView, ...]
-    room: tuple[CandidateView, ...]
-    room_capacity: tuple[float, ...]
-    room_cum: tuple[float, ...]
-    room_total: float
+    fresh: Tier
+    room: Tier
     pair_first_p: float
-    fallback: CandidateView | None
-    fallback_stale: bool
-    overflow: CandidateView | None
+    not_full: Tier
+    full: Tier
+    stale: Tier
     all_full: bool
-    any_full: bool
     none_healthy_retry_after_s: float
-
-    def __init__(self, **fields: object) -> None:
-        for name in self.__slots__:
-            object.__setattr__(self, name, fields[name])
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("OrderedSnapshot is immutable; build a new one")
 
     def __repr__(self) -> str:
         return (f"OrderedSnapshot(model={self.model!r}, ordered={len(self.ordered)}, "
@@ -173,51 +182,34 @@ def build_snapshot(
 
     # Site Selection: "a site has room while rho is below 1"; a stale one has no reading,
     # so it is maximally loaded and never has room.
-    room = tuple(v for v in pickable if not v.stale and v.rho < 1.0)
-    capacities = tuple(v.capacity for v in room)
-    cum: list[float] = []
-    total = 0.0
-    for c in capacities:
-        total += c
-        cum.append(total)
-
+    fresh = [v for v in pickable if not v.stale]
+    room = Tier.of(v for v in fresh if v.rho < 1.0)
     pair_first_p = 1.0
     if len(room) == 2:
-        w0 = room[0].capacity / (1.0 + room[0].rho)
-        w1 = room[1].capacity / (1.0 + room[1].rho)
+        w0 = room.capacities[0] / (1.0 + room.candidates[0].rho)
+        w1 = room.capacities[1] / (1.0 + room.candidates[1].rho)
         pair_first_p = w0 / (w0 + w1)
 
     # No room anywhere: "the pick is by capacity among sites not full, tied on queue
-    # depth". Fresh candidates that are not full come first; a stale one has no reading
-    # and sorts after every candidate that has one, but is still used before a full one.
-    fresh_not_full = [v for v in pickable if not v.stale and not v.full]
-    stale = [v for v in pickable if v.stale]
-    fallback: CandidateView | None = None
-    fallback_stale = False
-    if fresh_not_full:
-        fallback = min(fresh_not_full, key=_capacity_key)
-    elif stale:
-        fallback = min(stale, key=_capacity_key)
-        fallback_stale = True
-    all_full = bool(pickable) and fallback is None
-    # Every healthy candidate full: the pick reports Full; when the model does not shed
-    # (shedding off, or its timer has not run out) the request still goes to the highest
-    # capacity, tied on queue depth.
-    overflow = min(pickable, key=_capacity_key) if all_full else None
+    # depth". Then every fresh site full (the pick reports Full; when the model does not
+    # shed the request still goes to one of them). A stale candidate has no reading: it
+    # neither blocks that nor is preferred to a site known full; it is used only when no
+    # fresh healthy candidate is left.
+    not_full = Tier.of(v for v in fresh if v.rho >= 1.0 and not v.full)
+    all_full = bool(fresh) and all(v.full for v in fresh)
+    full = Tier.of(fresh) if all_full else Tier()
+    stale = Tier.of(v for v in pickable if v.stale) if not fresh else Tier()
 
     return OrderedSnapshot(
         model=model,
         ordered=tuple(pickable),
         excluded=tuple(excluded),
+        fresh=Tier.of(fresh),
         room=room,
-        room_capacity=capacities,
-        room_cum=tuple(cum),
-        room_total=total,
         pair_first_p=pair_first_p,
-        fallback=fallback,
-        fallback_stale=fallback_stale,
-        overflow=overflow,
+        not_full=not_full,
+        full=full,
+        stale=stale,
         all_full=all_full,
-        any_full=any(v.full and not v.stale for v in pickable),
         none_healthy_retry_after_s=none_healthy_retry_after_s,
     )

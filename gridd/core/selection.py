@@ -1,37 +1,52 @@
 """Site selection on the request path (spec: Site Selection).
 
-:func:`pick` reads one :class:`~gridd.core.ordering.OrderedSnapshot` and a
-``random.Random``; it never reads raw signals. Rules, in order:
+:func:`pick` reads one :class:`~gridd.core.ordering.OrderedSnapshot`, a ``random.Random``
+and, optionally, the load this gateway added since each candidate's reading (its own
+recent sends, :mod:`gridd.core.pending`); it never reads raw signals.
 
-1. Healthy sites with room (fresh, rho < 1):
-   - three or more: draw two distinct sites, each draw with probability proportional to
-     capacity among the sites not yet drawn, and take the one with the lower rho (the
-     first drawn on a tie);
-   - two: take site i with probability (c_i / (1 + rho_i)) / sum_j (c_j / (1 + rho_j));
-   - one: take it.
-2. No site with room: the highest capacity among fresh sites not full, ties to the lower
-   queue depth; failing that, the highest-capacity stale site (stale sorts last but is
-   still used when nothing better is left).
-3. Every healthy site full: :class:`Full`, carrying the route to use when the model does
-   not shed (highest capacity among all healthy, ties to the lower queue depth).
-4. No healthy site: :class:`NoneHealthy` (503 with Retry-After) when the model has
-   excluded candidates, :class:`NoCandidates` (404) when it has none at all.
+Preference, whichever rule: room (fresh, rho < 1), then fresh and not full, then fresh
+and full, then no fresh signal. A site with no healthy endpoint is excluded from the
+snapshot, so it is never picked while a healthy one is left.
 
-A site with no healthy endpoint is excluded from the snapshot, so it is never picked
-while a healthy one is left.
+``two_choices`` (the default; decided by the routing-quality issue, measured in
+docs/routing.md): draw two distinct fresh healthy candidates, each draw proportional to
+capacity among those not yet drawn, and take the better by (preference tier, rho), rho
+raised by the candidate's pending load. With one fresh candidate, take it. If the two
+drawn are both full while some fresh candidate is not, draw again from the best tier
+that is not full. The spec's own rules send *every* request to the one site with room
+(or weight two by capacity over 1 + rho) for as long as a reading lasts; with readings
+a few seconds old every gateway does it at once, which is a herd.
+
+``spec_tiers`` (the spec's text, kept for comparison and for operators who want it):
+
+1. Healthy sites with room: three or more: two drawn by capacity, the lower rho taken
+   (the first drawn on a tie); two: site i with probability
+   (c_i / (1 + rho_i)) / sum_j (c_j / (1 + rho_j)); one: take it.
+2. No site with room: "by capacity among sites not full, tied on queue depth": two fresh
+   sites not full drawn by capacity, the one with less waiting per unit of capacity.
+3. Every fresh healthy site full: :class:`Full`, with the route to use when the model
+   does not shed (drawn the same way among them).
+
+Either rule then: no healthy site with a fresh reading: a stale site drawn by capacity
+(used only when nothing else is left). No healthy site: :class:`NoneHealthy` (503 with
+Retry-After) when the model has excluded candidates, :class:`NoCandidates` (404) when
+it has none at all.
 """
 
 from __future__ import annotations
 
 import random
 from bisect import bisect_right
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
 
-from gridd.core.ordering import CandidateView, OrderedSnapshot
+from gridd.core.ordering import CandidateView, OrderedSnapshot, Tier
 
 Via = Literal["two_choices", "pair", "single", "not_full", "stale", "full"]
+PickRule = Literal["two_choices", "spec_tiers"]
+PICK_RULES: tuple[PickRule, ...] = ("two_choices", "spec_tiers")
 
 
 class Route(msgspec.Struct, frozen=True):
@@ -69,41 +84,108 @@ def _route(view: CandidateView, via: Via) -> Route:
     return Route(view.site, view.provider, view.model, view.local, via)
 
 
-def pick(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
-    room = snapshot.room
-    n = len(room)
-    if n >= 3:
-        # Two distinct draws proportional to capacity. First draw: u uniform on
-        # [0, total), site i where cum[i-1] <= u < cum[i]. Second draw: v uniform on
-        # [0, total - c_i), laid over the same line with site i's segment cut out, so
-        # P(j | i) = c_j / (total - c_i) exactly, with no rejection loop.
-        cum = snapshot.room_cum
-        total = snapshot.room_total
-        i = bisect_right(cum, rng.random() * total)
-        if i >= n:
-            i = n - 1
-        c_i = snapshot.room_capacity[i]
-        v = rng.random() * (total - c_i)
-        start_i = cum[i - 1] if i else 0.0
-        if v >= start_i:
-            v = cum[i] + (v - start_i)
-        j = bisect_right(cum, v)
-        if j >= n:
-            j = n - 1
-        if j == i:
-            # Only reachable through float rounding at the very end of the line, where
-            # the clamp above lands on the last site and that site was drawn first.
-            j = i - 1
-        first, second = room[i], room[j]
-        return _route(second if second.rho < first.rho else first, "two_choices")
-    if n == 2:
-        return _route(room[0] if rng.random() < snapshot.pair_first_p else room[1], "pair")
-    if n == 1:
-        return _route(room[0], "single")
-    if snapshot.fallback is not None:
-        return _route(snapshot.fallback, "stale" if snapshot.fallback_stale else "not_full")
-    if snapshot.overflow is not None:
-        return Full(_route(snapshot.overflow, "full"))
+def _draw_two(tier: Tier, rng: random.Random) -> tuple[CandidateView, CandidateView]:
+    """Two distinct candidates, each draw proportional to capacity among those not drawn yet.
+
+    First draw: u uniform on [0, total), candidate i where cum[i-1] <= u < cum[i]. Second
+    draw: v uniform on [0, total - c_i), laid over the same line with i's segment cut out,
+    so P(j | i) = c_j / (total - c_i) exactly, with no rejection loop.
+    """
+    cum, n = tier.cum, len(tier.candidates)
+    i = bisect_right(cum, rng.random() * tier.total)
+    if i >= n:
+        i = n - 1
+    v = rng.random() * (tier.total - tier.capacities[i])
+    start_i = cum[i - 1] if i else 0.0
+    if v >= start_i:
+        v = cum[i] + (v - start_i)
+    j = bisect_right(cum, v)
+    if j >= n:
+        j = n - 1
+    if j == i:
+        # Only reachable through float rounding at the very end of the line, where the
+        # clamp above lands on the last candidate and that one was drawn first.
+        j = i - 1
+    return tier.candidates[i], tier.candidates[j]
+
+
+def _draw_one(tier: Tier, rng: random.Random) -> CandidateView:
+    i = bisect_right(tier.cum, rng.random() * tier.total)
+    return tier.candidates[min(i, len(tier.candidates) - 1)]
+
+
+def _less_backlogged(first: CandidateView, second: CandidateView) -> CandidateView:
+    # "tied on queue depth": of two drawn by capacity, the one with less waiting per unit
+    # of capacity, then the lower rho; the first drawn on a full tie.
+    a = (first.queue_depth / first.capacity, first.rho)
+    b = (second.queue_depth / second.capacity, second.rho)
+    return second if b < a else first
+
+
+def _by_capacity(tier: Tier, rng: random.Random) -> CandidateView:
+    if len(tier) == 1:
+        return tier.candidates[0]
+    return _less_backlogged(*_draw_two(tier, rng))
+
+
+ExtraRho = Callable[[CandidateView], float]
+
+
+def _no_extra(view: CandidateView) -> float:
+    return 0.0
+
+
+def _rank(view: CandidateView, extra_rho: ExtraRho) -> tuple[int, float]:
+    """(preference tier, rho with pending load): room 0, not full 1, full 2."""
+    rho = view.rho + extra_rho(view)
+    if view.full:
+        return (2, rho)
+    return (0 if rho < 1.0 else 1, rho)
+
+
+def pick(snapshot: OrderedSnapshot, rng: random.Random, *, rule: PickRule = "two_choices",
+         extra_rho: ExtraRho | None = None) -> Outcome:
+    """One request's pick. extra_rho: the rho a candidate's pending load adds (load this
+    gateway sent that its latest reading cannot show yet); None adds nothing."""
+    if snapshot.fresh:
+        if rule == "two_choices":
+            return _two_choices(snapshot, rng, extra_rho or _no_extra)
+        return _spec_tiers(snapshot, rng)
+    if snapshot.stale:
+        return _route(_draw_one(snapshot.stale, rng), "stale")
     if snapshot.excluded:
         return NoneHealthy(snapshot.none_healthy_retry_after_s, len(snapshot.excluded))
     return NoCandidates()
+
+
+def _two_choices(snapshot: OrderedSnapshot, rng: random.Random, extra_rho: ExtraRho) -> Outcome:
+    fresh = snapshot.fresh
+    if len(fresh) == 1:
+        chosen = fresh.candidates[0]
+    else:
+        first, second = _draw_two(fresh, rng)
+        chosen = second if _rank(second, extra_rho) < _rank(first, extra_rho) else first
+    if not chosen.full:
+        return _route(chosen, "two_choices")
+    if snapshot.all_full:
+        return Full(_route(chosen, "full"))
+    # Both drawn are full but some fresh site is not: go to the best tier that is not.
+    if snapshot.room:
+        return _route(_by_capacity(snapshot.room, rng), "two_choices")
+    return _route(_by_capacity(snapshot.not_full, rng), "not_full")
+
+
+def _spec_tiers(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
+    room = snapshot.room
+    n = len(room)
+    if n >= 3:
+        first, second = _draw_two(room, rng)
+        return _route(second if second.rho < first.rho else first, "two_choices")
+    if n == 2:
+        return _route(room.candidates[0] if rng.random() < snapshot.pair_first_p else room.candidates[1], "pair")
+    if n == 1:
+        return _route(room.candidates[0], "single")
+    if snapshot.not_full:
+        return _route(_by_capacity(snapshot.not_full, rng), "not_full")
+    # Fresh candidates are in room, not_full or (all of them) full.
+    return Full(_route(_by_capacity(snapshot.full, rng), "full"))

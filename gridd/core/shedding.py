@@ -1,19 +1,26 @@
 """Per-model load shedding (spec: Site Selection, availability.shedding).
 
-With shedding on, a model sheds (429 with Retry-After) once every healthy site serving it
-has been saturated with work waiting continuously for full_after_s, and routes again once
-no sample from any site has shown saturation with work waiting for room_after_s. The
-room timer is longer than the full timer by default, so a shedding model does not flap.
+With shedding on, a model sheds (429 with Retry-After) once every fresh healthy site
+serving it has been *full* (saturated with work waiting at the provider's limit)
+continuously for full_after_s, and routes again once some fresh healthy site has had room
+(or stopped being full) continuously for room_after_s. A site with no fresh signal never
+keeps a model shedding, nor stops it: it has no reading either way. The room timer is
+longer than the full timer by default, so a shedding model does not flap.
+
+Decided by the routing-quality issue (docs/routing.md, "Shedding"): the spec's "routes
+again once no sample from a site has shown that for room_after_ms" kept every request of a
+model at 429 for as long as one site stayed saturated, while another sat idle.
 
 Time is sampled: the caller calls :meth:`ShedState.observe` after every ingest, and a
 condition observed at t is taken to hold until the next observation. Boundaries:
 
-- a saturated run that started at t0 (the first observation of it) sheds from
-  ``now >= t0 + full_after_s``; any observation that is not all-saturated ends the run;
-- shedding ends from ``now >= t_last + room_after_s``, t_last being the latest
-  observation in which some sample showed saturation with work waiting. Leaving the
-  shed state also ends the saturated run, so shedding again takes a new observed run of
-  full_after_s.
+- a full run that started at t0 (the first observation with every fresh healthy site
+  full) sheds from ``now >= t0 + full_after_s``; any observation that is not all-full
+  ends the run;
+- a relief run that started at t1 (the first observation, while shedding, in which some
+  fresh healthy site is not full) ends shedding from ``now >= t1 + room_after_s``; an
+  all-full observation ends the relief run. Leaving the shed state also ends the full
+  run, so shedding again takes a new observed run of full_after_s.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ RETRY_AFTER_MAX_S = 60.0
 class ShedState:
     """One model's shedding state. Only consulted when availability.shedding is on."""
 
-    __slots__ = ("_full_after_s", "_room_after_s", "_saturated_since", "_last_saturated", "_shedding")
+    __slots__ = ("_full_after_s", "_room_after_s", "_full_since", "_relief_since", "_shedding")
 
     def __init__(
         self,
@@ -42,42 +49,41 @@ class ShedState:
             raise ValueError(f"room_after_s must be a positive number of seconds, got {room_after_s!r}")
         self._full_after_s = float(full_after_s)
         self._room_after_s = float(room_after_s)
-        self._saturated_since: float | None = None
-        self._last_saturated: float | None = None
+        self._full_since: float | None = None
+        self._relief_since: float | None = None
         self._shedding = False
 
     def retune(self, *, full_after_s: float, room_after_s: float) -> None:
-        """A committed reload's timers; the current run and shedding state are kept."""
+        """A committed reload's timers; the current runs and shedding state are kept."""
         self._full_after_s, self._room_after_s = float(full_after_s), float(room_after_s)
 
-    def observe(self, now: float, *, all_healthy_saturated: bool, any_sample_saturated: bool) -> None:
+    def observe(self, now: float, *, all_full: bool) -> None:
         """Record one ingest.
 
-        all_healthy_saturated: every healthy site serving the model is saturated with work
-            waiting (OrderedSnapshot.all_full). Pass False when no site is healthy: that
-            is a 503, not a shed.
-        any_sample_saturated: some site's sample in this ingest showed saturation with
-            work waiting (OrderedSnapshot.any_full). Implied by all_healthy_saturated.
+        all_full: every fresh healthy site serving the model is full
+            (OrderedSnapshot.all_full). False when no fresh site is healthy: no site is
+            then known full (stale ones have no reading; none healthy is a 503).
         """
         # Settle transitions that fell due before this observation under the old inputs.
         self._advance(now)
-        if all_healthy_saturated:
-            any_sample_saturated = True
-            if self._saturated_since is None:
-                self._saturated_since = now
+        if all_full:
+            self._relief_since = None
+            if self._full_since is None:
+                self._full_since = now
         else:
-            self._saturated_since = None
-        if any_sample_saturated:
-            self._last_saturated = now
+            self._full_since = None
+            if self._relief_since is None:
+                self._relief_since = now
         self._advance(now)
 
     def _advance(self, now: float) -> None:
         if self._shedding:
-            if self._last_saturated is None or now - self._last_saturated >= self._room_after_s:
+            if self._relief_since is not None and now - self._relief_since >= self._room_after_s:
                 self._shedding = False
-                self._saturated_since = None
-        elif self._saturated_since is not None and now - self._saturated_since >= self._full_after_s:
+                self._full_since = None
+        elif self._full_since is not None and now - self._full_since >= self._full_after_s:
             self._shedding = True
+            self._relief_since = None
 
     def shedding(self, now: float) -> bool:
         """Whether the model sheds at ``now`` (``now`` never goes backwards)."""
@@ -88,15 +94,15 @@ class ShedState:
         """Seconds until the state can next change, clamped to [1, 60]; the caller adds
         jitter and rounds up for the Retry-After header.
 
-        Shedding: until room_after_s after the latest saturated sample. Not shedding:
-        until the current saturated run reaches full_after_s, or full_after_s when no
-        run is under way.
+        Shedding: until room_after_s into the current relief run, or room_after_s when
+        every site is still full. Not shedding: until the current full run reaches
+        full_after_s, or full_after_s when no run is under way.
         """
         self._advance(now)
-        if self._shedding and self._last_saturated is not None:
-            wait = self._last_saturated + self._room_after_s - now
-        elif self._saturated_since is not None:
-            wait = self._saturated_since + self._full_after_s - now
+        if self._shedding:
+            wait = self._room_after_s if self._relief_since is None else self._relief_since + self._room_after_s - now
+        elif self._full_since is not None:
+            wait = self._full_since + self._full_after_s - now
         else:
             wait = self._full_after_s
         return min(max(wait, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)

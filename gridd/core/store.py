@@ -3,8 +3,15 @@
 ingest():   batches from the local operator pass admission (epoch/sequence fences, skew
             bound), land per (site, provider), feed that candidate's capacity learner,
             and the per-model snapshots are rebuilt and swapped in whole.
-decide():   the request path: one snapshot read, one pick, the shedding state. It never
-            reads raw signals or computes load.
+decide():   the request path: one snapshot read, one pick (raised by this gateway's own
+            sends that the readings cannot show yet, gridd.core.pending), the shedding
+            state. It never reads raw signals or computes load.
+
+A candidate's reading goes through four states as it ages (docs/routing.md, "The store"):
+fresh (within the signal TTL), stale (sorts last, used only when no fresh healthy site is
+left), silent (past SILENT_AFTER_TTLS x the TTL: excluded, so its model answers 503 with
+Retry-After, never 404) and forgotten (past ``candidate_retention_s``, or at once when the
+operator announces the provider removed).
 
 Pure: ``now`` (monotonic seconds), ``now_wall`` and the random source are passed in.
 """
@@ -15,12 +22,22 @@ import math
 import random
 from collections.abc import Iterable
 
+import msgspec
+
 from gridd.core.admission import AdmissionFences, Outcome
-from gridd.core.capacity import CapacityLearner
+from gridd.core.capacity import (
+    DEFAULT_ALPHA,
+    DEFAULT_EVIDENCE_WINDOW_S,
+    DEFAULT_FLOOR,
+    DEFAULT_RECENT_WINDOW_S,
+    DEFAULT_UNIT_CAPACITY,
+    CapacityLearner,
+)
 from gridd.core.decisions import Decision, Forward, Shed, Unavailable, UnknownModel
 from gridd.core.ordering import CandidateView, OrderedSnapshot, build_snapshot, candidate_view
+from gridd.core.pending import DEFAULT_PENDING_WEIGHT, RecentSends
 from gridd.core.readings import LoadSignals
-from gridd.core.selection import Full, NoCandidates, NoneHealthy, Route, pick
+from gridd.core.selection import Full, NoCandidates, NoneHealthy, PickRule, Route, pick
 from gridd.core.shedding import ShedState
 from gridd.wire import Batch, ServingConfig
 
@@ -28,8 +45,35 @@ LOCAL_RECHECK_S = 2.0
 """A local exclusion can lift at the next scrape + poll (about 2 s at the defaults)."""
 REMOTE_RECHECK_S = 6.0
 """A remote one waits on the operator's peer poll (5 s) + the gateway poll (1 s)."""
-FORGET_AFTER_TTLS = 2.0
-"""A candidate the operator stopped relaying is forgotten once its reading is this many TTLs old."""
+SILENT_AFTER_TTLS = 2.0
+"""A candidate whose reading is this many TTLs old is silent: excluded (503), not routed to
+(the operator relays a silent peer's readings this long; see operator/signals.py)."""
+NO_OPERATOR_DATA_RETRY_AFTER_S = 2.0
+"""Retry-After of a 503 while the gateway has no routing data: the next poll or two."""
+
+
+class RoutingKnobs(msgspec.Struct, frozen=True, kw_only=True):
+    """The gateway store's knobs (config ``routing.*``, ``timings.*``,
+    ``availability.shedding.*``; docs/routing.md has each one's meaning and default)."""
+
+    signal_ttl_s: float = 20.0
+    future_epoch_bound_s: float = 600.0
+    capacity_floor: float = DEFAULT_FLOOR
+    rho_smoothing: float = DEFAULT_ALPHA
+    recent_window_s: float = DEFAULT_RECENT_WINDOW_S
+    unit_capacity: float = DEFAULT_UNIT_CAPACITY
+    evidence_window_s: float = DEFAULT_EVIDENCE_WINDOW_S
+    pick_rule: PickRule = "two_choices"
+    pending_weight: float = DEFAULT_PENDING_WEIGHT
+    candidate_retention_s: float = 600.0
+    shedding: bool = False
+    full_after_s: float = 2.0
+    room_after_s: float = 5.0
+
+    def learner_args(self) -> dict[str, float]:
+        return {"floor": self.capacity_floor, "alpha": self.rho_smoothing,
+                "recent_window_s": self.recent_window_s, "unit_capacity": self.unit_capacity,
+                "evidence_window_s": self.evidence_window_s}
 
 
 class Candidate:
@@ -69,57 +113,49 @@ def excluded_reason(batch: Batch, *, units_seen: bool = True) -> str | None:
 
 
 class GatewayStore:
-    def __init__(
-        self,
-        *,
-        site: str,
-        signal_ttl_s: float = 20.0,
-        future_epoch_bound_s: float = 600.0,
-        capacity_floor: float = 1.0,
-        rho_smoothing: float = 0.5,
-        recent_window_s: float = 30.0,
-        shedding: bool = False,
-        full_after_s: float = 2.0,
-        room_after_s: float = 5.0,
-    ) -> None:
+    def __init__(self, *, site: str, knobs: RoutingKnobs | None = None) -> None:
         self.site = site
-        self.signal_ttl_s = signal_ttl_s
-        self.fences = AdmissionFences(future_epoch_bound_s=future_epoch_bound_s)
-        self._learner_args = {"floor": capacity_floor, "alpha": rho_smoothing, "recent_window_s": recent_window_s}
-        self.shedding_enabled = shedding
-        self._shed_args = (full_after_s, room_after_s)
+        self.knobs = knobs = knobs or RoutingKnobs()
+        self.fences = AdmissionFences(future_epoch_bound_s=knobs.future_epoch_bound_s)
         self.candidates: dict[tuple[str, str], Candidate] = {}
         self.shed: dict[str, ShedState] = {}
         self.snapshots: dict[str, OrderedSnapshot] = {}
         self.local_snapshots: dict[str, OrderedSnapshot] = {}
+        self.sends = RecentSends(horizon_s=knobs.signal_ttl_s)
         self.serving = ServingConfig()
         self.ingests = 0
         self.last_ingest_at: float | None = None
 
-    def reconfigure(self, *, signal_ttl_s: float, future_epoch_bound_s: float, capacity_floor: float,
-                    rho_smoothing: float, recent_window_s: float, shedding: bool, full_after_s: float,
-                    room_after_s: float) -> None:
+    @property
+    def signal_ttl_s(self) -> float:
+        return self.knobs.signal_ttl_s
+
+    @property
+    def shedding_enabled(self) -> bool:
+        return self.knobs.shedding
+
+    def reconfigure(self, knobs: RoutingKnobs) -> None:
         """A committed reload: new knobs, same state. Learned bounds, rho history, fences
         and shedding runs are never rebuilt (DESIGN 4)."""
-        self.signal_ttl_s = signal_ttl_s
-        self.fences.future_epoch_bound_s = future_epoch_bound_s
-        self._learner_args = {"floor": capacity_floor, "alpha": rho_smoothing, "recent_window_s": recent_window_s}
+        self.knobs = knobs
+        self.fences.future_epoch_bound_s = knobs.future_epoch_bound_s
         for cand in self.candidates.values():
-            cand.learner.retune(**self._learner_args)
-        self.shedding_enabled = shedding
-        self._shed_args = (full_after_s, room_after_s)
+            cand.learner.retune(**knobs.learner_args())
         for shed in self.shed.values():
-            shed.retune(full_after_s=full_after_s, room_after_s=room_after_s)
+            shed.retune(full_after_s=knobs.full_after_s, room_after_s=knobs.room_after_s)
+        self.sends.retune(knobs.signal_ttl_s)
 
     # -- poll side ------------------------------------------------------------------------------
 
     def set_serving(self, serving: ServingConfig) -> None:
         self.serving = serving
 
-    def ingest(self, batches: Iterable[Batch], *, now: float, now_wall: float, complete_view: bool = True) -> None:
-        """One poll's answer. ``complete_view``: the answer names every provider the operator
-        holds, so a candidate it no longer holds (deleted, or a peer's reading past its TTL)
-        is forgotten here too."""
+    def ingest(self, batches: Iterable[Batch], *, now: float, now_wall: float, complete_view: bool = True,
+               removed: Iterable[tuple[str, str]] = ()) -> None:
+        """One poll's answer. ``removed``: providers the operator announces as removed from
+        its site's config (or a peer's): forgotten at once, so their model answers 404
+        within one poll. ``complete_view``: the answer names every provider the operator
+        holds; one it no longer holds is kept, ageing, until candidate_retention_s."""
         seen: set[tuple[str, str]] = set()
         for batch in batches:
             key = (batch.site, batch.provider)
@@ -132,24 +168,31 @@ class GatewayStore:
             cand = self.candidates.get(key)
             if cand is None:
                 cand = self.candidates[key] = Candidate(batch.site, batch.provider,
-                                                        CapacityLearner(**self._learner_args))
+                                                        CapacityLearner(**self.knobs.learner_args()))
             cand.model, cand.batch, cand.received_at = batch.model, batch, now
             if batch.load is not None and batch.load.units:
                 cand.units_seen = True
             if batch.load is not None:
                 cand.learner.observe(now, batch.revision, batch.load, complete=batch.complete, new_sample=True)
+        for key in removed:
+            if key not in seen:
+                self._forget(key)
         if complete_view:
-            # The operator no longer holds it (deleted, or a peer's reading it expired). One
-            # answer is not proof: a restarted operator relays its peers' readings only after
-            # its first peer polls. So a missing candidate is kept, ageing (stale, sorted
-            # last), and forgotten once its reading is past FORGET_AFTER_TTLS x the TTL.
-            horizon = FORGET_AFTER_TTLS * self.signal_ttl_s
+            # The operator no longer holds it (a peer's reading it expired, or an operator
+            # restarted and not yet polling its peers). That is not proof the provider is
+            # gone: it ages through stale and silent (503), and is forgotten only once no
+            # reading has come for candidate_retention_s.
+            horizon = self.knobs.candidate_retention_s
             for key in [k for k, c in self.candidates.items() if k not in seen and c.age_s(now) > horizon]:
-                del self.candidates[key]
-                self.fences.forget(*key)
+                self._forget(key)
         self.ingests += 1
         self.last_ingest_at = now
         self.rebuild(now)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self.candidates.pop(key, None)
+        self.fences.forget(*key)
+        self.sends.forget(key)
 
     def rebuild(self, now: float) -> None:
         """The scorer: one immutable ordered snapshot per model, swapped in whole."""
@@ -164,12 +207,14 @@ class GatewayStore:
             # A candidate this gateway cannot forward to (no local endpoint, no ingress for
             # its site) is kept as excluded: the model exists but cannot be served from here.
             routable = cand.provider in local_providers if local else cand.site in ingresses
-            fresh = cand.age_s(now) <= self.signal_ttl_s
+            age = cand.age_s(now)
+            fresh = age <= self.signal_ttl_s
+            silent = age > SILENT_AFTER_TTLS * self.signal_ttl_s
             load: LoadSignals | None = batch.load if fresh else None
             views.setdefault(cand.model, []).append(candidate_view(
                 site=cand.site, provider=cand.provider, model=cand.model, learner=cand.learner, load=load,
-                now=now, healthy=routable and excluded_reason(batch, units_seen=cand.units_seen) is None,
-                local=local, fresh=fresh,
+                now=now, local=local, fresh=fresh,
+                healthy=routable and not silent and excluded_reason(batch, units_seen=cand.units_seen) is None,
             ))
         snapshots: dict[str, OrderedSnapshot] = {}
         local_snapshots: dict[str, OrderedSnapshot] = {}
@@ -181,9 +226,9 @@ class GatewayStore:
                                                     none_healthy_retry_after_s=LOCAL_RECHECK_S)
             shed = self.shed.get(model)
             if shed is None:
-                shed = self.shed[model] = ShedState(*self._shed_args)
+                shed = self.shed[model] = ShedState(self.knobs.full_after_s, self.knobs.room_after_s)
             snap = snapshots[model]
-            shed.observe(now, all_healthy_saturated=snap.all_full, any_sample_saturated=snap.any_full)
+            shed.observe(now, all_full=snap.all_full)
         for model in [m for m in self.shed if m not in views]:
             del self.shed[model]
         self.snapshots, self.local_snapshots = snapshots, local_snapshots
@@ -195,6 +240,11 @@ class GatewayStore:
 
     def decide(self, model: str, *, now: float, rng: random.Random, pinned_site: str | None = None,
                exclude: frozenset[tuple[str, str]] = frozenset()) -> Decision:
+        if not self.has_routing_data(now):
+            # No answer from the operator yet, or none within the TTL: the gateway cannot
+            # tell a model that exists from one that does not. A broken setup must not look
+            # like a wrong model name (404).
+            return Unavailable(NO_OPERATOR_DATA_RETRY_AFTER_S, cause="no_operator_data")
         pinned = pinned_site is not None
         snapshot = (self.local_snapshots if pinned else self.snapshots).get(model)
         if snapshot is None or (pinned and pinned_site != self.site):
@@ -208,17 +258,42 @@ class GatewayStore:
         # Shed only a model that has a healthy site: with none, the answer is 503 (spec: "a
         # model with no healthy routable site gets 503"). Pinned requests shed too: the pin
         # header comes from clients as well, and must not be a way around a 429.
-        if (self.shedding_enabled and snapshot.ordered and shed is not None and shed.shedding(now)):
+        if self.knobs.shedding and snapshot.ordered and shed is not None and shed.shedding(now):
             return Shed(shed.retry_after_s(now))
-        outcome = pick(snapshot, rng)
+        outcome = pick(snapshot, rng, rule=self.knobs.pick_rule,
+                       extra_rho=self._pending_rho(now) if self.knobs.pending_weight > 0 else None)
         if isinstance(outcome, Full):
             outcome = outcome.route  # shedding off, or not yet full for full_after_ms: route
         if isinstance(outcome, Route):
+            self.sends.record((outcome.site, outcome.provider), now)
             return self._forward(outcome)
         if isinstance(outcome, NoneHealthy):
-            return Unavailable(outcome.retry_after_s)
+            return Unavailable(outcome.retry_after_s, cause=self._unavailable_cause(snapshot, now))
         assert isinstance(outcome, NoCandidates)
-        return UnknownModel() if not snapshot.excluded else Unavailable(snapshot.none_healthy_retry_after_s)
+        if not snapshot.excluded:
+            return UnknownModel()
+        return Unavailable(snapshot.none_healthy_retry_after_s, cause=self._unavailable_cause(snapshot, now))
+
+    def _pending_rho(self, now: float):  # noqa: ANN202 - a closure for pick()
+        weight, candidates, sends = self.knobs.pending_weight, self.candidates, self.sends
+
+        def extra_rho(view: CandidateView) -> float:
+            # Sends made after the candidate's reading was taken are not in it yet.
+            key = (view.site, view.provider)
+            cand = candidates.get(key)
+            if cand is None:
+                return 0.0
+            return weight * sends.since(key, now - cand.age_s(now)) / view.capacity
+        return extra_rho
+
+    def _unavailable_cause(self, snapshot: OrderedSnapshot, now: float) -> str:
+        """"silent" when no excluded candidate has reported for SILENT_AFTER_TTLS x the TTL."""
+        horizon = SILENT_AFTER_TTLS * self.signal_ttl_s
+        for view in snapshot.excluded:
+            cand = self.candidates.get((view.site, view.provider))
+            if cand is not None and cand.age_s(now) <= horizon:
+                return "excluded"
+        return "silent"
 
     def _forward(self, route: Route) -> Forward:
         if route.site == self.site:
@@ -227,6 +302,19 @@ class GatewayStore:
         ingress = next(i.url for i in self.serving.ingresses if i.site == route.site)
         return Forward(route.site, route.provider, route.model, ingress_url=ingress)
 
-    def fresh(self, now: float) -> bool:
-        """Holding a snapshot built from a poll within the signal TTL (GET /readyz)."""
+    def has_routing_data(self, now: float) -> bool:
+        """Holding a snapshot built from a poll within the signal TTL (GET /readyz, and
+        what tells a 404 from "no routing data from the operator")."""
         return self.last_ingest_at is not None and now - self.last_ingest_at <= self.signal_ttl_s
+
+    fresh = has_routing_data
+
+    def routing_data_problem(self, now: float) -> str | None:
+        """Why the gateway has no routing data, or None: the cause a 503 and status name."""
+        if self.last_ingest_at is None:
+            return "no routing data from the operator: no poll has succeeded yet"
+        age = now - self.last_ingest_at
+        if age > self.signal_ttl_s:
+            return (f"no routing data from the operator: the last successful poll was {age:.0f} s ago "
+                    f"(signal TTL {self.signal_ttl_s:g} s)")
+        return None

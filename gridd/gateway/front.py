@@ -313,10 +313,10 @@ class FrontApp:
             await send_simple(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode())
         elif path == "/healthz":
             await send_simple(send, 200, b"ok\n")
-        elif self.router.ready():
+        elif (reason := self.router.not_ready_reason()) is None:
             await send_simple(send, 200, b"ready\n")
         else:
-            await send_simple(send, 503, b"not ready\n")
+            await send_simple(send, 503, f"not ready: {reason}\n".encode())
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -398,16 +398,26 @@ class FrontApp:
                 await _send_error(send, 429, f"every site serving {model!r} is saturated; retry later",
                                   type_="rate_limit_exceeded", code="model_saturated",
                                   retry_after=retry_after_seconds(hint, self.rng))
-            case Unavailable(retry_after_s=hint):
+            case Unavailable(retry_after_s=hint, cause=cause):
                 metrics.unavailable_answer(model)
                 metrics.request(model, NO_SITE, "unavailable")
-                await _send_error(send, 503, f"the model {model!r} exists but no site can serve it now",
-                                  type_="service_unavailable", code="model_unavailable",
+                await _send_error(send, 503, self._unavailable_message(model, cause),
+                                  type_="service_unavailable",
+                                  code="no_routing_data" if cause == "no_operator_data" else "model_unavailable",
                                   retry_after=retry_after_seconds(hint, self.rng))
             case UnknownModel():
                 metrics.request(OTHER_MODEL, NO_SITE, "unknown_model")
                 await _send_error(send, 404, f"The model `{_shown(model)}` does not exist",
                                   type_="invalid_request_error", code="model_not_found", param="model")
+
+    def _unavailable_message(self, model: str, cause: str) -> str:
+        if cause == "no_operator_data":
+            # A broken setup (operator unreachable, wrong URL or certificate) must not look
+            # like a wrong model name: say what is missing.
+            return self.router.not_ready_reason() or "no routing data from the operator"
+        if cause == "silent":
+            return f"no site serving {model!r} has reported load recently; retry later"
+        return f"the model {model!r} exists but no site can serve it now"
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange,
                        forward: Forward, model: str, pin: str | None, body: bytes, started: float) -> None:

@@ -31,3 +31,7 @@ class Router(Protocol):
     def ready(self) -> bool:
         """Serving and holding a fresh snapshot (GET /readyz)."""
         ...
+
+    def not_ready_reason(self) -> str | None:
+        """Why ``ready()`` is false, for people (the /readyz body, gridctl status)."""
+        ...

@@ -29,7 +29,7 @@ from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer
 from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
-from gridd.core.store import GatewayStore, excluded_reason
+from gridd.core.store import GatewayStore, RoutingKnobs, excluded_reason
 from gridd.errors import GriddError
 from gridd.gateway.forward import SwappableTransport, make_upstream_transport
 from gridd.gateway.front import make_front_app
@@ -69,14 +69,16 @@ def load_gateway_tls(loaded: LoadedConfig, wall: float) -> TLSMaterial | None:
     )
 
 
-def store_knobs(cfg: Config) -> dict[str, Any]:
-    t, shedding = cfg.timings, cfg.availability.shedding
-    return {
-        "signal_ttl_s": t.signal_ttl_s, "future_epoch_bound_s": t.future_epoch_bound_s,
-        "capacity_floor": cfg.routing.capacity_floor, "rho_smoothing": cfg.routing.rho_smoothing,
-        "recent_window_s": cfg.routing.recent_window_s, "shedding": shedding.enabled,
-        "full_after_s": shedding.full_after_ms / 1000, "room_after_s": shedding.room_after_ms / 1000,
-    }
+def store_knobs(cfg: Config) -> RoutingKnobs:
+    t, r, shedding = cfg.timings, cfg.routing, cfg.availability.shedding
+    return RoutingKnobs(
+        signal_ttl_s=t.signal_ttl_s, future_epoch_bound_s=t.future_epoch_bound_s,
+        capacity_floor=r.capacity_floor, rho_smoothing=r.rho_smoothing, recent_window_s=r.recent_window_s,
+        unit_capacity=r.unit_capacity, evidence_window_s=r.evidence_window_s, pick_rule=r.pick_rule,
+        pending_weight=r.pending_weight, candidate_retention_s=r.candidate_retention_s,
+        shedding=shedding.enabled, full_after_s=shedding.full_after_ms / 1000,
+        room_after_s=shedding.room_after_ms / 1000,
+    )
 
 
 class StoreRouter:
@@ -97,7 +99,12 @@ class StoreRouter:
         return self.store.models()
 
     def ready(self) -> bool:
-        return self._serving() and self.store.fresh(trio.current_time())
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        if not self._serving():
+            return "not serving (starting or draining)"
+        return self.store.routing_data_problem(trio.current_time())
 
 
 class GatewayCollector(Collector):
@@ -179,7 +186,7 @@ class GatewayService:
         self._transport = transport
         self._ingress_transport = ingress_transport
         self._open_operator_link = open_operator_link or self._dial_operator
-        self.store = GatewayStore(site=loaded.config.site, **store_knobs(loaded.config))
+        self.store = GatewayStore(site=loaded.config.site, knobs=store_knobs(loaded.config))
         self.router = StoreRouter(self.store, self.rng, lambda: self._serving)
         self.tls: TLSMaterial | None = None
         self._tls_digest = ""
@@ -286,7 +293,8 @@ class GatewayService:
                 if isinstance(reply, ServingConfig):
                     self.store.set_serving(reply)
                 elif isinstance(reply, Batches):
-                    self.store.ingest(reply.batches, now=now, now_wall=self.wall())
+                    self.store.ingest(reply.batches, now=now, now_wall=self.wall(),
+                                      removed=[(k.site, k.provider) for k in reply.removed])
                     # Spec: "The reporter folds a committed observation before refresh and
                     # cancellation, so replacing a poller during refresh cannot lose a
                     # genuine skew drop." No checkpoint lies between the ingest and this
@@ -354,7 +362,7 @@ class GatewayService:
     def commit(self, staged: StagedGateway) -> None:
         old = self.config
         self.loaded = staged.loaded
-        self.store.reconfigure(**store_knobs(self.config))
+        self.store.reconfigure(store_knobs(self.config))
         restart = staged.tls is not None and staged.tls_digest != self._tls_digest
         self.tls, self._tls_digest = staged.tls, staged.tls_digest
         if restart and self._ingress is not None and staged.tls is not None:
@@ -389,6 +397,8 @@ class GatewayService:
                 "rho": cand.learner.recent_worst_rho(now), "capacity": cand.learner.bound,
             })
         return {
+            # Serving but unable to route: status says "degraded" with this reason.
+            "degraded": store.routing_data_problem(now) if self._serving else None,
             "operator": self.config.operator.url if self.config.operator else None,
             "operator_state": self.operator_state,
             "last_poll_error": self.last_poll_error,

@@ -337,7 +337,8 @@ class OperatorService:
         now = trio.current_time()
         for name in [n for n in self.publishers if n not in revisions]:
             del self.publishers[name]
-            self.holdings.forget(cfg.site, name)
+            # Removed from the config: gateways are told, and answer 404 within one poll.
+            self.holdings.remove(cfg.site, name, now)
         for provider in cfg.providers:
             if scrape_target(provider) is None:
                 # Disabled (or nothing to scrape): nothing current to publish or relay.

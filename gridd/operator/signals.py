@@ -321,13 +321,15 @@ class SignalsEndpoint:
                             await session.send(serving)
                             sent_config = serving
                         held = self.holdings.relay(now)
+                        removed = self.holdings.removed(now, cfg.routing.candidate_retention_s)
                     else:
                         # A peer operator gets only this site's own batches: it polls
                         # every other site directly and attributes each to its identity.
                         held = self.holdings.relay(now, site=cfg.site)
+                        removed = self.holdings.removed(now, cfg.routing.candidate_retention_s, site=cfg.site)
                     batches, unchanged = _apply_cursors(held, cursors)
                     answer = Batches(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
-                                     batches=batches, unchanged=unchanged)
+                                     batches=batches, unchanged=unchanged, removed=removed)
                     try:
                         frame_ok = encode(answer)
                     except WireEncodeError as exc:
@@ -441,15 +443,20 @@ class PeerPoller:
         if not isinstance(answer, Batches):
             self._failed("protocol", f"poll answered with {type(answer).__name__}")
             return
-        self._admit(answer.batches)
+        self._admit(answer.batches, answer.removed)
         self._succeeded()
 
-    def _admit(self, batches: tuple[Batch, ...]) -> None:
+    def _admit(self, batches: tuple[Batch, ...], removed: tuple[SourceKey, ...] = ()) -> None:
         # The dialer required the server's verified certificate to name this peer's
         # site (ExpectedPeer), so that is the site its batches may claim.
         identity = self.link.identity if self.link is not None else None
         verified_site = identity.site if identity is not None else self.peer.site
         now, now_wall = trio.current_time(), self.wall()
+        for key in removed:
+            # A peer announces removals of its own site's providers only, and only of ones
+            # held here (an announcement never creates state).
+            if key.site == verified_site and self.holdings.get(key.site, key.provider) is not None:
+                self.holdings.remove(key.site, key.provider, now)
         for batch in batches:
             verdict = self.fences.admit(batch, now_wall=now_wall, verified_site=verified_site)
             if verdict.outcome is Outcome.ACCEPTED:
