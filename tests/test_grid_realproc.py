@@ -127,7 +127,7 @@ def test_openai_sdk_through_the_grid(grid):
             model=MODEL, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
         assert raw.parse().choices[0].message.content
         served.add(raw.headers["x-gridd-served-by"])
-    assert served == {"a", "b"}  # site b's requests went through b's gateway, pinned there
+    assert served == {"a/pool-a", "b/pool-b"}  # site b's requests went through b's gateway, pinned there
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=5, stream=True)
     chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
