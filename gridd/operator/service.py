@@ -65,6 +65,14 @@ class StagedOperator(msgspec.Struct, frozen=True):
     tls: SignalsTLS | None = None
 
 
+def check_operator_config(loaded: LoadedConfig) -> None:
+    """What an operator's config must meet beyond decoding, at start and at every reload (and
+    in ``gridd check-config``); ConfigError names the path."""
+    check_signals_config(loaded.config)
+    check_sink_paths(loaded)
+    check_api_exposure(loaded.config)
+
+
 def scrape_target(provider: ProviderConfig) -> ScrapeTarget | None:
     source = provider.metrics
     if source is None or not provider.enabled:
@@ -184,9 +192,7 @@ class OperatorService:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
-        check_signals_config(self.config)
-        check_sink_paths(self.loaded)
-        check_api_exposure(self.config)
+        check_operator_config(self.loaded)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
@@ -363,9 +369,7 @@ class OperatorService:
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
         cfg, old = new.config, self.config
-        check_signals_config(cfg)
-        check_sink_paths(new)
-        check_api_exposure(cfg)
+        check_operator_config(new)
         if cfg.listen.http != old.listen.http:
             raise ConfigError("listen.http: changed; restart gridd to apply")
         if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
