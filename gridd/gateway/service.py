@@ -30,6 +30,7 @@ from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, excluded_reason
+from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
 from gridd.gateway.forward import SwappableTransport, make_upstream_transport
 from gridd.gateway.front import make_front_app
@@ -213,6 +214,7 @@ class GatewayService:
         # and certificate reloads": built once here, never by commit().
         self.reporter = FeedbackReporter(secrets.randbits(63) if reporter_epoch is None else reporter_epoch)
         self._feedback_failing: str | None = None
+        self.link_transitions = TransitionLog()
         registry.register(GatewayCollector(self))
 
     @property
@@ -309,15 +311,19 @@ class GatewayService:
                     self.reporter.observe(fences.drops()["skew"], fences.skew_evidence())
                 elif isinstance(reply, Error):
                     failure, detail = "refused", f"operator refused: {reply.reason}: {reply.detail}"
+        # The operator link: one line per change (up, down with the failure class, down for
+        # another class), rate-limited (gridd/core/transitions.py), never one per poll.
+        link = self.link_transitions.observe("operator", "up" if failure is None else f"down ({failure})", now)
         if failure is None:
             self.poll_results["ok"] += 1
-            if self.operator_state != "up":
-                log.info("operator %s: polling", self.config.operator.url)
+            if link is not None:
+                log.info("operator %s: link up, polling%s", self.config.operator.url, link.suffix())
             self.operator_state, self.last_poll_error = "up", None
         else:
             self.poll_results[failure] = self.poll_results.get(failure, 0) + 1
-            if self.operator_state == "up" or self.last_poll_error is None:
-                log.warning("operator %s: poll failed (%s): %s", self.config.operator.url, failure, detail)
+            if link is not None:
+                log.warning("operator %s: link down, poll failed (%s): %s%s", self.config.operator.url, failure,
+                            detail, link.suffix())
             self.operator_state, self.last_poll_error = "down", f"{failure}: {detail}"
             # Readings keep ageing while the operator is unreachable: re-score so stale sites
             # sort last (loss of signal degrades to least preferred, not to idle).

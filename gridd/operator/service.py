@@ -30,6 +30,7 @@ from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s
+from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
@@ -115,6 +116,9 @@ class OperatorService:
         self._sequence = itertools.count(1)
         self.pool: ScrapePool | None = None
         self.tls: SignalsTLS | None = None
+        # One line per transition of each provider's scrape and readiness, rate-limited per
+        # target (gridd/core/transitions.py); kept across reloads like the publishers.
+        self.transitions = TransitionLog()
         self._rng = rng if rng is not None else random.Random()
         self._draining = False
         self.signals_metrics = SignalsMetrics(registry)
@@ -333,9 +337,30 @@ class OperatorService:
             stale_after_s=self._stale_after_s(),
             unavailable=provider.unavailable,
         )
-        if result.failure_class is not None and publisher.summary.failures.get(result.failure_class) == 1:
-            log.warning("provider %s: scrape failed (%s): %s", result.provider, result.failure_class, result.detail)
+        self._log_transitions(publisher, result.finished_at)
         self.holdings.hold(batch, result.finished_at)
+
+    def _log_transitions(self, publisher: ProviderPublisher, now: float) -> None:
+        """Scrape failing/recovered (with the failure class) and ready/not-ready (with the
+        reason): one line per change, never one per scrape."""
+        name, summary = publisher.provider, publisher.summary
+        failing = summary.last_failure_class
+        scrape = "ok" if failing is None else f"failing ({failing})"
+        if (line := self.transitions.observe(("scrape", name), scrape, now, baseline="ok")) is not None:
+            if failing is not None:
+                log.warning("provider %s: scrape %s: %s%s", name, scrape, summary.last_failure_detail, line.suffix())
+            else:
+                was = f", was {line.old}" if line.old not in (None, "ok") else ""
+                log.info("provider %s: scrape recovered%s%s", name, was, line.suffix())
+        verdict = publisher.last_verdict
+        if verdict is None:
+            return
+        ready = {True: "ready", False: "not ready", None: "readiness unknown"}[verdict.ready]
+        state = f"{ready} ({verdict.reason})"
+        if (line := self.transitions.observe(("ready", name), state, now)) is not None:
+            message = f": {verdict.message}" if verdict.message else ""
+            log.log(logging.WARNING if verdict.ready is False else logging.INFO, "provider %s: %s%s%s",
+                    name, state, message, line.suffix())
 
     def _apply_providers(self, revisions: dict[str, ProviderRevision]) -> None:
         cfg = self.config
@@ -343,6 +368,8 @@ class OperatorService:
         now = trio.current_time()
         for name in [n for n in self.publishers if n not in revisions]:
             del self.publishers[name]
+            self.transitions.forget(("scrape", name))
+            self.transitions.forget(("ready", name))
             self.holdings.forget(cfg.site, name)
         for provider in cfg.providers:
             if scrape_target(provider) is None:
