@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,3 +137,54 @@ def test_openai_sdk_through_the_grid(grid):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     models = [m.id for m in client.models.list()]
     assert models == [MODEL]
+
+
+def test_a_real_prometheus_scraping_one_operator_sees_both_sites(grid, tmp_path):
+    """Spec: the operator exports grid_provider_* for its own providers and those it polls, "so
+    a Prometheus scraping one hub sees every site". Debian's prometheus, on loopback, scrapes
+    operator a only; its HTTP API must answer with both sites' series."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the prometheus binary is absent (Debian package `prometheus`; scripts/bootstrap installs it)")
+    p = grid["ports"]
+    [web] = free_ports(1)
+    (tmp_path / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}}
+scrape_configs:
+  - job_name: gridd-operator-a
+    static_configs: [{{targets: ["127.0.0.1:{p['met-a']}"]}}]
+""")
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+                                stdout=log, stderr=log)
+        try:
+            def series(query: str):
+                r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", params={"query": query}, timeout=2)
+                body = r.json()
+                assert body["status"] == "success", body
+                return {(s["metric"]["grid_site"], s["metric"]["grid_provider"]): s["value"][1]
+                        for s in body["data"]["result"]}
+
+            ready = wait_until(lambda: (s := series("grid_provider_ready")) and len(s) == 2 and s,
+                               "prometheus holding both sites' grid_provider_ready", deadline_s=60)
+            assert ready == {("a", "pool-a"): "1", ("b", "pool-b"): "1"}
+            # Both sites' series came from the one target, operator a.
+            r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", timeout=2, params={
+                "query": 'count by (grid_site, job, instance) ({__name__=~"grid_provider_.+"})'}).json()
+            assert sorted((s["metric"]["grid_site"], s["metric"]["job"], s["metric"]["instance"])
+                          for s in r["data"]["result"]) == [
+                ("a", "gridd-operator-a", f"127.0.0.1:{p['met-a']}"), ("b", "gridd-operator-a", f"127.0.0.1:{p['met-a']}")]
+            r = httpx.get(f"http://127.0.0.1:{web}/api/v1/targets", timeout=2).json()
+            assert [t["scrapeUrl"] for t in r["data"]["activeTargets"]] == [f"http://127.0.0.1:{p['met-a']}/metrics"]
+            names = httpx.get(f"http://127.0.0.1:{web}/api/v1/label/__name__/values", timeout=2).json()["data"]
+            for name in ("grid_provider_ready", "grid_provider_ready_endpoints", "grid_provider_in_flight_requests",
+                         "grid_provider_config_generation"):
+                assert name in names
+        finally:
+            prom.terminate()
+            try:
+                prom.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                prom.kill()
+                prom.wait(timeout=20)
