@@ -34,7 +34,7 @@ def check_listen(cfg: Config) -> None:
 
 
 # What to do about each TLSMaterialError reason (gridd.tls); the message already names the file.
-_TLS_FIX = {
+TLS_FIXES = {
     "unreadable": "make the file readable by gridd, or make it",
     "malformed": "the file must hold PEM (certificates) or a PEM private key; reissue with `gridd certs`",
     "key_mismatch": "use the key issued together with this certificate",
@@ -63,7 +63,7 @@ def check_tls(loaded: LoadedConfig, now_wall: float) -> None:
     except TLSMaterialError as exc:
         by_file = {str(loaded.resolve(getattr(cfg.tls, k))): k for k in ("cert", "key", "ca")}
         key = by_file.get(exc.path or "", "cert")
-        fix = _TLS_FIX.get(exc.reason, "fix the TLS material")
+        fix = TLS_FIXES.get(exc.reason, "fix the TLS material")
         if exc.reason in ("unreadable", "identity", "usage", "expired"):
             fix += ": gridd certs init DIR" if key == "ca" else f": {_tls_hint(cfg)}"
         raise ConfigError(f"tls.{key}: {exc}; {fix}") from None

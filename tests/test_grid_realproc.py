@@ -15,6 +15,8 @@ import sys
 import httpx
 import openai
 import pytest
+from docs_tables import backticked, table_rows
+from prometheus_client.parser import text_string_to_metric_families
 from realproc import free_ports, wait_until
 
 pytestmark = pytest.mark.realproc
@@ -40,9 +42,10 @@ def grid(tmp_path_factory):
         for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
             assert subprocess.run([sys.executable, "-m", "gridd", "certs", "issue", "--site", site, *role,
                                    str(certs)], capture_output=True, timeout=60).returncode == 0
-    p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b", "met-a", "met-b"], free_ports(8), strict=True))
+    p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b", "met-a", "met-b", "gmet-a", "gmet-b"],
+                 free_ports(10), strict=True))
     for site, other in (("a", "b"), ("b", "a")):
-        (ws / f"op-{site}.yaml").write_text(f"""
+        (ws / f"op-{site}.yaml").write_text(rf"""
 role: operator
 site: {site}
 tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
@@ -53,7 +56,13 @@ ingress: http://127.0.0.1:{p[f'gw-{site}']}
 providers:
   - name: pool-{site}
     model: {MODEL}
-    settings: {{endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/v1"}}
+    settings:
+      endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/v1"
+      probes:
+        - name: perf
+          endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/metrics"
+          interval: 1
+          extract: [{{regex: 'vllm:(num_requests_waiting)\{{[^}}]*\}}\s+([0-9.eE+-]+)'}}]
     metrics: {{url: "http://127.0.0.1:{p[f'sim-{site}']}/metrics"}}
 peers:
   - {{site: {other}, url: "wss://127.0.0.1:{p[f'sig-{other}']}/signals", ingress: "http://127.0.0.1:{p[f'gw-{other}']}"}}
@@ -64,7 +73,7 @@ role: gateway
 site: {site}
 replica: g1
 tls: {{ca: certs/ca.pem, cert: certs/{site}-gateway-g1.pem, key: certs/{site}-gateway-g1-key.pem}}
-listen: {{http: "127.0.0.1:{p[f'gw-{site}']}"}}
+listen: {{http: "127.0.0.1:{p[f'gw-{site}']}", metrics: "127.0.0.1:{p[f'gmet-{site}']}"}}
 control_socket: run/gw-{site}.sock
 operator: {{url: "wss://127.0.0.1:{p[f'sig-{site}']}/signals"}}
 availability: {{shedding: {{enabled: true}}}}
@@ -188,3 +197,31 @@ scrape_configs:
             except subprocess.TimeoutExpired:
                 prom.kill()
                 prom.wait(timeout=20)
+
+
+def test_docs_metrics_lists_every_series_with_its_labels(grid):
+    """docs/metrics.md against what a real operator and gateway expose (after traffic, so
+    labelled families carry samples whose label names can be compared)."""
+    p = grid["ports"]
+    wait_until(lambda: {c["site"] for c in gridctl_json(grid, "gw-a")["role_status"]["candidates"]} == {"a", "b"},
+               "both sites at gateway a")
+    for i in range(3):
+        r = httpx.post(f"http://127.0.0.1:{p['gw-a']}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"m{i}"}]})
+        assert r.status_code == 200
+    wait_until(lambda: "grid_probe_ticks_total{" in httpx.get(f"http://127.0.0.1:{p['met-a']}/metrics").text,
+               "a probe tick")
+    exposed: dict[str, list[set[str]]] = {}  # family -> the label names of each sample
+    for port in (p["met-a"], p["gmet-a"]):
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            name = family.name + ("_total" if family.type == "counter" else "")
+            exposed.setdefault(name, []).extend({k for k in s.labels if k != "le"} for s in family.samples)
+    documented = {name: set(backticked(cells[1])) for name, cells in table_rows("metrics.md").items()}
+    assert sorted(exposed) == sorted(documented)
+    # Every sample carries exactly the documented label names (a family that had no sample
+    # yet, say retries before any retry, is compared by name only).
+    wrong = {name: labels for name, samples in exposed.items() for labels in samples if labels != documented[name]}
+    assert wrong == {}
+    with_samples = {name for name, samples in exposed.items() if samples}
+    assert len(with_samples) >= 30, sorted(set(exposed) - with_samples)
