@@ -17,7 +17,7 @@ import openai
 import pytest
 from docs_tables import backticked, table_rows
 from prometheus_client.parser import text_string_to_metric_families
-from realproc import free_ports, wait_until
+from realproc import free_ports, stop, wait_until
 
 pytestmark = pytest.mark.realproc
 MODEL = "grid-model"
@@ -191,12 +191,7 @@ scrape_configs:
                          "grid_provider_config_generation"):
                 assert name in names
         finally:
-            prom.terminate()
-            try:
-                prom.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(timeout=20)
+            stop(prom)
 
 
 def test_docs_metrics_lists_every_series_with_its_labels(grid):
