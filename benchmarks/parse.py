@@ -3,7 +3,7 @@
 Run from the repo root: .venv/bin/python benchmarks/parse.py
 
 The body is generated (seeded; no files needed) in the shape of an llm-d Router v0.10 EPP
-leader scrape like shared/reference/samples/epp-healthy.prom, with a bigger pool: the
+leader scrape like tests/data/samples/epp-healthy.prom, with a bigger pool: the
 same family set (HELP/TYPE lines, Go runtime and process gauges, the deprecated inference_*
 twins, pool gauges, per-endpoint queues, flow control, in-flight load from two producers,
 request counters and the duration / TTFT / NTPOT / streaming TPOT / ITL histograms per
@@ -46,7 +46,7 @@ NAMESPACE = "llm-d-inference"
 MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct-lora-support")
 PRODUCERS = ("inflight-load", "inflight-load-with-output")
 ERROR_CODES = ("BadRequest", "ModelServerError")
-# Bucket bounds from shared/reference/epp-metrics.md section 5.
+# Bucket bounds from docs/epp-metrics.md section 5.
 TTFT = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 45, 60, 120)
 DURATION = TTFT + (180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)
 NTPOT = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)

@@ -64,17 +64,25 @@ def gridd_main(argv: list[str] | None = None) -> int:
 def _check_config(path: str | None) -> int:
     from gridd.config import load_config
     from gridd.errors import ConfigError
+    from gridd.preflight import check_runnable
 
     if path is None:
         print("gridd check-config: no config file given (argument or $GRIDD_CONFIG)", file=sys.stderr)
         return EXIT_USAGE
     try:
         loaded = load_config(path)
+        # What `gridd run` would refuse at start: listen addresses, the role's rules, TLS.
+        notes = check_runnable(loaded, time.time())
     except ConfigError as exc:
-        print(f"invalid config: {exc}", file=sys.stderr)
+        message = str(exc)
+        shown = str(pathlib.Path(path))
+        print(f"invalid config: {message if message.startswith(f'{shown}:') else f'{shown}: {message}'}",
+              file=sys.stderr)
         return EXIT_USAGE
     cfg = loaded.config
     print(f"{path}: ok ({cfg.role} for site {cfg.site}, {len(cfg.providers)} providers, {len(cfg.peers)} peers)")
+    for note in notes:
+        print(f"note: {note}")
     return EXIT_OK
 
 

@@ -26,6 +26,7 @@ from gridd.errors import GriddError
 from gridd.httpserver import serve_asgi
 from gridd.metrics_app import make_metrics_app
 from gridd.notify import Notifier
+from gridd.preflight import check_listen
 from gridd.roles import RoleService
 
 log = logging.getLogger("gridd.daemon")
@@ -99,6 +100,7 @@ class Daemon:
 
     async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
         cfg = self.loaded.config
+        check_listen(cfg)  # a listen address no server can bind: one clear line, nothing started
         async with trio.open_nursery() as root:
             await root.start(self._signal_loop, name="signals")
             await root.start(serve_control, self.control_path, self._handle_control, name="control-socket")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 
 import httpx
@@ -35,3 +36,13 @@ def wait_until(check, what: str, deadline_s: float = 30.0):
             last = exc
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within grace_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)

@@ -287,7 +287,7 @@ def test_large_and_hostile_lines() -> None:
     assert result.malformed_lines == 4
 
 
-# Reference samples (shared/reference/samples): exact counts and values for named series.
+# Reference samples (tests/data/samples): exact counts and values for named series.
 def series(result: Exposition, sample_name: str, /, **labels: str) -> list[float]:
     """Values of `sample_name` samples whose labels include `labels`, in input order."""
     return [

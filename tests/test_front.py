@@ -330,6 +330,33 @@ async def test_chat_through_two_sites_non_streamed_and_streamed(nursery):
     assert front_a.sample("gridd_gateway_retries_total", reason="connect") == 0
 
 
+async def test_served_by_names_the_site_and_the_provider_that_answered(nursery):
+    async def claims_to_be_elsewhere(scope, receive, send):
+        # A local provider that sends the header itself cannot name itself: the gateway does.
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"x-gridd-served-by", b"z/zz")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    liar = await start_app(nursery, claims_to_be_elsewhere)
+    sim_b = await start_sim(nursery, ttft_s=0.0, tpot_s=0.001, max_tokens=2)
+    front_b = await start_front(nursery, FakeRouter("b", always(local("b", "pb-1", sim_b.url))))
+    route = {"to": local("a", "pa", liar)}
+    front_a = await start_front(nursery, FakeRouter("a", lambda model, pinned, exclude: route["to"]))
+    async with httpx.AsyncClient(timeout=BOUND_S) as client:
+        async def served_by() -> list[bytes]:
+            r = await client.post(f"{front_a.url}/v1/chat/completions",
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200
+            return [v for k, v in r.headers.raw if k.lower() == b"x-gridd-served-by"]
+
+        assert await served_by() == [b"a/pa"]
+        # Site a picked site b's "pb"; b's gateway served with its own pick, "pb-1", and said so.
+        route["to"] = remote("b", "pb", front_b.url)
+        assert await served_by() == [b"b/pb-1"]
+
+
 async def test_completions_and_embeddings_pass_through(nursery):
     sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=3)
     front = await start_front(nursery, FakeRouter("a", always(local("a", "p", sim.url))))

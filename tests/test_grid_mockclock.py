@@ -349,3 +349,21 @@ async def test_a_batch_the_wire_cannot_carry_does_not_blind_the_gateway(grid, au
     assert grid.gateway.operator_state == "up"
     reg = grid.operators["a"].registry
     assert reg.get_sample_value("grid_signals_unsendable_batches_total") >= 1
+
+
+async def test_the_gateways_operator_link_logs_down_and_up_once(grid, autojump_clock, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gridd.gateway")
+    o = grid.origin
+    await trio.sleep_until(o + 10.0)
+    grid.up["a"]["up"] = False  # polls at +10.5 ... +16.5 hang until their 2 s budget
+    await trio.sleep_until(o + 17.0)
+    grid.up["a"]["up"] = True
+    await trio.sleep_until(o + 30.0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("operator wss://op-a:1")]
+    assert lines == [
+        "operator wss://op-a:1/signals: link up, polling",
+        "operator wss://op-a:1/signals: link down, poll failed (timeout): no answer within 2 s",
+        "operator wss://op-a:1/signals: link up, polling",
+    ]

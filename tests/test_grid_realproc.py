@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import sys
 import httpx
 import openai
 import pytest
-from realproc import free_ports, wait_until
+from docs_tables import backticked, table_rows
+from prometheus_client.parser import text_string_to_metric_families
+from realproc import free_ports, stop, wait_until
 
 pytestmark = pytest.mark.realproc
 MODEL = "grid-model"
@@ -39,9 +42,10 @@ def grid(tmp_path_factory):
         for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
             assert subprocess.run([sys.executable, "-m", "gridd", "certs", "issue", "--site", site, *role,
                                    str(certs)], capture_output=True, timeout=60).returncode == 0
-    p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b", "met-a", "met-b"], free_ports(8), strict=True))
+    p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b", "met-a", "met-b", "gmet-a", "gmet-b"],
+                 free_ports(10), strict=True))
     for site, other in (("a", "b"), ("b", "a")):
-        (ws / f"op-{site}.yaml").write_text(f"""
+        (ws / f"op-{site}.yaml").write_text(rf"""
 role: operator
 site: {site}
 tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
@@ -52,7 +56,13 @@ ingress: http://127.0.0.1:{p[f'gw-{site}']}
 providers:
   - name: pool-{site}
     model: {MODEL}
-    settings: {{endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/v1"}}
+    settings:
+      endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/v1"
+      probes:
+        - name: perf
+          endpoint: "http://127.0.0.1:{p[f'sim-{site}']}/metrics"
+          interval: 1
+          extract: [{{regex: 'vllm:(num_requests_waiting)\{{[^}}]*\}}\s+([0-9.eE+-]+)'}}]
     metrics: {{url: "http://127.0.0.1:{p[f'sim-{site}']}/metrics"}}
 peers:
   - {{site: {other}, url: "wss://127.0.0.1:{p[f'sig-{other}']}/signals", ingress: "http://127.0.0.1:{p[f'gw-{other}']}"}}
@@ -63,7 +73,7 @@ role: gateway
 site: {site}
 replica: g1
 tls: {{ca: certs/ca.pem, cert: certs/{site}-gateway-g1.pem, key: certs/{site}-gateway-g1-key.pem}}
-listen: {{http: "127.0.0.1:{p[f'gw-{site}']}"}}
+listen: {{http: "127.0.0.1:{p[f'gw-{site}']}", metrics: "127.0.0.1:{p[f'gmet-{site}']}"}}
 control_socket: run/gw-{site}.sock
 operator: {{url: "wss://127.0.0.1:{p[f'sig-{site}']}/signals"}}
 availability: {{shedding: {{enabled: true}}}}
@@ -127,7 +137,7 @@ def test_openai_sdk_through_the_grid(grid):
             model=MODEL, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
         assert raw.parse().choices[0].message.content
         served.add(raw.headers["x-gridd-served-by"])
-    assert served == {"a", "b"}  # site b's requests went through b's gateway, pinned there
+    assert served == {"a/pool-a", "b/pool-b"}  # site b's requests went through b's gateway, pinned there
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=5, stream=True)
     chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
@@ -136,3 +146,77 @@ def test_openai_sdk_through_the_grid(grid):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     models = [m.id for m in client.models.list()]
     assert models == [MODEL]
+
+
+def test_a_real_prometheus_scraping_one_operator_sees_both_sites(grid, tmp_path):
+    """Spec: the operator exports grid_provider_* for its own providers and those it polls, "so
+    a Prometheus scraping one hub sees every site". Debian's prometheus, on loopback, scrapes
+    operator a only; its HTTP API must answer with both sites' series."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the prometheus binary is absent (Debian package `prometheus`; scripts/bootstrap installs it)")
+    p = grid["ports"]
+    [web] = free_ports(1)
+    (tmp_path / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}}
+scrape_configs:
+  - job_name: gridd-operator-a
+    static_configs: [{{targets: ["127.0.0.1:{p['met-a']}"]}}]
+""")
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+                                stdout=log, stderr=log)
+        try:
+            def series(query: str):
+                r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", params={"query": query}, timeout=2)
+                body = r.json()
+                assert body["status"] == "success", body
+                return {(s["metric"]["grid_site"], s["metric"]["grid_provider"]): s["value"][1]
+                        for s in body["data"]["result"]}
+
+            ready = wait_until(lambda: (s := series("grid_provider_ready")) and len(s) == 2 and s,
+                               "prometheus holding both sites' grid_provider_ready", deadline_s=60)
+            assert ready == {("a", "pool-a"): "1", ("b", "pool-b"): "1"}
+            # Both sites' series came from the one target, operator a.
+            r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", timeout=2, params={
+                "query": 'count by (grid_site, job, instance) ({__name__=~"grid_provider_.+"})'}).json()
+            assert sorted((s["metric"]["grid_site"], s["metric"]["job"], s["metric"]["instance"])
+                          for s in r["data"]["result"]) == [
+                ("a", "gridd-operator-a", f"127.0.0.1:{p['met-a']}"), ("b", "gridd-operator-a", f"127.0.0.1:{p['met-a']}")]
+            r = httpx.get(f"http://127.0.0.1:{web}/api/v1/targets", timeout=2).json()
+            assert [t["scrapeUrl"] for t in r["data"]["activeTargets"]] == [f"http://127.0.0.1:{p['met-a']}/metrics"]
+            names = httpx.get(f"http://127.0.0.1:{web}/api/v1/label/__name__/values", timeout=2).json()["data"]
+            for name in ("grid_provider_ready", "grid_provider_ready_endpoints", "grid_provider_in_flight_requests",
+                         "grid_provider_config_generation"):
+                assert name in names
+        finally:
+            stop(prom)
+
+
+def test_docs_metrics_lists_every_series_with_its_labels(grid):
+    """docs/metrics.md against what a real operator and gateway expose (after traffic, so
+    labelled families carry samples whose label names can be compared)."""
+    p = grid["ports"]
+    wait_until(lambda: {c["site"] for c in gridctl_json(grid, "gw-a")["role_status"]["candidates"]} == {"a", "b"},
+               "both sites at gateway a")
+    for i in range(3):
+        r = httpx.post(f"http://127.0.0.1:{p['gw-a']}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"m{i}"}]})
+        assert r.status_code == 200
+    wait_until(lambda: "grid_probe_ticks_total{" in httpx.get(f"http://127.0.0.1:{p['met-a']}/metrics").text,
+               "a probe tick")
+    exposed: dict[str, list[set[str]]] = {}  # family -> the label names of each sample
+    for port in (p["met-a"], p["gmet-a"]):
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            name = family.name + ("_total" if family.type == "counter" else "")
+            exposed.setdefault(name, []).extend({k for k in s.labels if k != "le"} for s in family.samples)
+    documented = {name: set(backticked(cells[1])) for name, cells in table_rows("metrics.md").items()}
+    assert sorted(exposed) == sorted(documented)
+    # Every sample carries exactly the documented label names (a family that had no sample
+    # yet, say retries before any retry, is compared by name only).
+    wrong = {name: labels for name, samples in exposed.items() for labels in samples if labels != documented[name]}
+    assert wrong == {}
+    with_samples = {name for name, samples in exposed.items() if samples}
+    assert len(with_samples) >= 30, sorted(set(exposed) - with_samples)

@@ -4,6 +4,7 @@ and strictly increasing (publisher_epoch, batch_sequence) across real restarts."
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -335,3 +336,30 @@ def test_a_body_of_too_many_lines_fails_as_parse_before_parsing():
                           stale_after_s=10, unavailable=False)
     assert batch.revision is None and pub.summary.failures == {"parse": 1}
     assert pub.summary.malformed_lines == 0  # never parsed
+
+
+async def test_scrape_and_readiness_transitions_are_logged_once_each(tmp_path, autojump_clock, caplog):
+    caplog.set_level(logging.INFO, logger="gridd.operator")
+    rig = Rig(tmp_path, endpoints=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 0.5)
+        rig.sim.set_knobs(metrics_hang=True)  # the scrapes from +1 time out after 2 s
+        await trio.sleep_until(origin + 20.5)
+        rig.sim.set_knobs(metrics_hang=False)
+        await trio.sleep_until(origin + 40.5)
+        nursery.cancel_scope.cancel()
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "gridd.operator" and r.getMessage().startswith("provider llama:")]
+    assert lines == [
+        "provider llama: ready (EndpointsReady): 1 ready endpoints",
+        # The first timed-out scrape (+1 to +3); the nine after it add no line.
+        "provider llama: scrape failing (timeout): no answer within 2 s",
+        "provider llama: not ready (ScrapeFailed): no scrape answered for 11.0s (stale after 10.0s); "
+        "latest scrape failed: timeout",
+        "provider llama: scrape recovered, was failing (timeout)",
+        "provider llama: ready (EndpointsReady): 1 ready endpoints",
+    ]
+    levels = [r.levelno for r in caplog.records if r.getMessage().startswith("provider llama:")]
+    assert levels == [logging.INFO, logging.WARNING, logging.WARNING, logging.INFO, logging.INFO]

@@ -228,6 +228,31 @@ async def test_a_new_failure_reason_while_down_is_logged_once(autojump_clock, nu
     assert "is down (connect)" in lines[0] and "still down, now (identity)" in lines[1]
 
 
+async def test_a_flapping_peer_cannot_flood_the_log(autojump_clock, nursery, caplog):
+    caplog.set_level(logging.INFO, logger="gridd.operator.signals")
+    h = Harness()
+    # Polls at +0, +5, +10, ...: up on even polls, refused on odd ones, for two minutes.
+    h.scripts["b"] = lambda n: ChannelError("no", reason="refused") if n % 2 else []
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(120.1)
+    lines = [r.getMessage() for r in caplog.records if "peer b" in r.getMessage()]
+    # 25 polls, 24 changes: 4 lines a minute (gridd/core/transitions.py defaults), the first
+    # allowed again says how many changes went unlogged.
+    assert lines == [
+        "peer b (wss://127.0.0.1:9001/signals) is up",
+        "peer b (wss://127.0.0.1:9001/signals) is down (refused): no",
+        "peer b (wss://127.0.0.1:9001/signals) is up",
+        "peer b (wss://127.0.0.1:9001/signals) is down (refused): no",
+        "peer b (wss://127.0.0.1:9001/signals) is up (8 more changes not logged: flapping)",
+        "peer b (wss://127.0.0.1:9001/signals) is down (refused): no",
+        "peer b (wss://127.0.0.1:9001/signals) is up",
+        "peer b (wss://127.0.0.1:9001/signals) is down (refused): no",
+        "peer b (wss://127.0.0.1:9001/signals) is up (8 more changes not logged: flapping)",
+    ]
+    # A poller restarted by a reload keeps the peer's budget: the supervisor owns it.
+    assert h.supervisor.tasks[(PEER_B.site, PEER_B.url)].poller.transitions is h.supervisor.transitions
+
+
 # --- reload -------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """Load derivation (gridd.core.signals) against the reference samples and synthetic cases.
 
 Every expected figure is worked out by hand from the sample files in the comment next to
-it (shared/reference/samples/*.prom).
+it (tests/data/samples/*.prom).
 """
 
 from __future__ import annotations

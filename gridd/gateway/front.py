@@ -516,10 +516,12 @@ class FrontApp:
                 upstream = UpstreamBody(response, target)
                 status = response.status_code
                 relayed, left = response_headers(response.headers.raw)
-                if not any(name.lower() == SERVED_BY for name, _ in relayed):
-                    # Which site answered (a remote site's gateway sets it first): for clients'
-                    # logs and the demo; never read by routing.
-                    relayed.append((SERVED_BY, target.site.encode()))
+                # Which site and provider answered, `<site>/<provider>`: for clients' logs and the
+                # demo; never read by routing. A remote site's gateway set it first (it picked its
+                # own provider); a local provider's answer cannot name itself.
+                if not (target.remote and any(name.lower() == SERVED_BY for name, _ in relayed)):
+                    relayed = [(name, value) for name, value in relayed if name.lower() != SERVED_BY]
+                    relayed.append((SERVED_BY, f"{target.site}/{target.provider}".encode()))
                 head = {"type": "http.response.start", "status": status, "headers": relayed}
                 idle_s = limits.stream_idle_s
                 while True:

@@ -25,12 +25,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer
+from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse_signals_url
 from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, RoutingKnobs, excluded_reason
-from gridd.errors import GriddError
+from gridd.core.transitions import TransitionLog
+from gridd.errors import ConfigError, GriddError
 from gridd.gateway.forward import SwappableTransport, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
@@ -56,6 +57,21 @@ def tls_files_digest(loaded: LoadedConfig) -> str:
     for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca):
         digest.update(loaded.resolve(path).read_bytes())
     return digest.hexdigest()
+
+
+def check_gateway_config(cfg: Config) -> None:
+    """What a gateway's config must meet beyond decoding, at start and at every reload (and in
+    ``gridd check-config``): its one link to its operator is the signals channel, mutual TLS
+    over ``wss://`` only. ConfigError names the path and the fix."""
+    if cfg.tls is None:
+        raise ConfigError("tls: a gateway needs its certificate to poll its operator over mutual TLS; "
+                          "add tls: {ca, cert, key} (gridd certs issue --role gateway --replica R)")
+    if cfg.operator is not None:
+        try:
+            parse_signals_url(cfg.operator.url)
+        except ChannelError:
+            raise ConfigError(f"operator.url: expected the operator's signals URL, wss://host:port/signals "
+                              f"(its listen.signals), got {cfg.operator.url!r}") from None
 
 
 def load_gateway_tls(loaded: LoadedConfig, wall: float) -> TLSMaterial | None:
@@ -205,6 +221,7 @@ class GatewayService:
         # and certificate reloads": built once here, never by commit().
         self.reporter = FeedbackReporter(secrets.randbits(63) if reporter_epoch is None else reporter_epoch)
         self._feedback_failing: str | None = None
+        self.link_transitions = TransitionLog()
         registry.register(GatewayCollector(self))
 
     @property
@@ -214,10 +231,9 @@ class GatewayService:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        check_gateway_config(self.config)
         self.tls = await trio.to_thread.run_sync(load_gateway_tls, self.loaded, self.wall())
-        if self.tls is None:
-            raise GriddError("a gateway needs tls (ca, cert, key) to poll its operator over mutual TLS",
-                             reason="config")
+        assert self.tls is not None  # check_gateway_config refused a config without tls
         # Forwarding transports: this site's providers, and other sites' ingress (verified
         # against the grid CA, presenting this gateway's certificate, when it is https).
         self._tls_digest = await trio.to_thread.run_sync(tls_files_digest, self.loaded)
@@ -303,15 +319,19 @@ class GatewayService:
                     self.reporter.observe(fences.drops()["skew"], fences.skew_evidence())
                 elif isinstance(reply, Error):
                     failure, detail = "refused", f"operator refused: {reply.reason}: {reply.detail}"
+        # The operator link: one line per change (up, down with the failure class, down for
+        # another class), rate-limited (gridd/core/transitions.py), never one per poll.
+        link = self.link_transitions.observe("operator", "up" if failure is None else f"down ({failure})", now)
         if failure is None:
             self.poll_results["ok"] += 1
-            if self.operator_state != "up":
-                log.info("operator %s: polling", self.config.operator.url)
+            if link is not None:
+                log.info("operator %s: link up, polling%s", self.config.operator.url, link.suffix())
             self.operator_state, self.last_poll_error = "up", None
         else:
             self.poll_results[failure] = self.poll_results.get(failure, 0) + 1
-            if self.operator_state == "up" or self.last_poll_error is None:
-                log.warning("operator %s: poll failed (%s): %s", self.config.operator.url, failure, detail)
+            if link is not None:
+                log.warning("operator %s: link down, poll failed (%s): %s%s", self.config.operator.url, failure,
+                            detail, link.suffix())
             self.operator_state, self.last_poll_error = "down", f"{failure}: {detail}"
             # Readings keep ageing while the operator is unreachable: re-score so stale sites
             # sort last (loss of signal degrades to least preferred, not to idle).
@@ -352,9 +372,7 @@ class GatewayService:
     async def stage(self, new: LoadedConfig) -> StagedGateway:
         if new.config.listen.http != self.config.listen.http:
             raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
-        if new.config.tls is None:
-            raise GriddError("tls: a gateway needs its certificate to poll its operator; keeping the old config",
-                             reason="config")
+        check_gateway_config(new.config)
         tls = await trio.to_thread.run_sync(load_gateway_tls, new, self.wall())
         digest = await trio.to_thread.run_sync(tls_files_digest, new)
         return StagedGateway(new, tls, digest)

@@ -30,6 +30,7 @@ from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s
+from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
@@ -63,6 +64,14 @@ class StagedOperator(msgspec.Struct, frozen=True):
     loaded: LoadedConfig
     revisions: dict[str, ProviderRevision]
     tls: SignalsTLS | None = None
+
+
+def check_operator_config(loaded: LoadedConfig) -> None:
+    """What an operator's config must meet beyond decoding, at start and at every reload (and
+    in ``gridd check-config``); ConfigError names the path."""
+    check_signals_config(loaded.config)
+    check_sink_paths(loaded)
+    check_api_exposure(loaded.config)
 
 
 def scrape_target(provider: ProviderConfig) -> ScrapeTarget | None:
@@ -107,6 +116,9 @@ class OperatorService:
         self._sequence = itertools.count(1)
         self.pool: ScrapePool | None = None
         self.tls: SignalsTLS | None = None
+        # One line per transition of each provider's scrape and readiness, rate-limited per
+        # target (gridd/core/transitions.py); kept across reloads like the publishers.
+        self.transitions = TransitionLog()
         self._rng = rng if rng is not None else random.Random()
         self._draining = False
         self.signals_metrics = SignalsMetrics(registry)
@@ -184,9 +196,7 @@ class OperatorService:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
-        check_signals_config(self.config)
-        check_sink_paths(self.loaded)
-        check_api_exposure(self.config)
+        check_operator_config(self.loaded)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
@@ -327,9 +337,30 @@ class OperatorService:
             stale_after_s=self._stale_after_s(),
             unavailable=provider.unavailable,
         )
-        if result.failure_class is not None and publisher.summary.failures.get(result.failure_class) == 1:
-            log.warning("provider %s: scrape failed (%s): %s", result.provider, result.failure_class, result.detail)
+        self._log_transitions(publisher, result.finished_at)
         self.holdings.hold(batch, result.finished_at)
+
+    def _log_transitions(self, publisher: ProviderPublisher, now: float) -> None:
+        """Scrape failing/recovered (with the failure class) and ready/not-ready (with the
+        reason): one line per change, never one per scrape."""
+        name, summary = publisher.provider, publisher.summary
+        failing = summary.last_failure_class
+        scrape = "ok" if failing is None else f"failing ({failing})"
+        if (line := self.transitions.observe(("scrape", name), scrape, now, baseline="ok")) is not None:
+            if failing is not None:
+                log.warning("provider %s: scrape %s: %s%s", name, scrape, summary.last_failure_detail, line.suffix())
+            else:
+                was = f", was {line.old}" if line.old not in (None, "ok") else ""
+                log.info("provider %s: scrape recovered%s%s", name, was, line.suffix())
+        verdict = publisher.last_verdict
+        if verdict is None:
+            return
+        ready = {True: "ready", False: "not ready", None: "readiness unknown"}[verdict.ready]
+        state = f"{ready} ({verdict.reason})"
+        if (line := self.transitions.observe(("ready", name), state, now)) is not None:
+            message = f": {verdict.message}" if verdict.message else ""
+            log.log(logging.WARNING if verdict.ready is False else logging.INFO, "provider %s: %s%s%s",
+                    name, state, message, line.suffix())
 
     def _apply_providers(self, revisions: dict[str, ProviderRevision]) -> None:
         cfg = self.config
@@ -337,6 +368,8 @@ class OperatorService:
         now = trio.current_time()
         for name in [n for n in self.publishers if n not in revisions]:
             del self.publishers[name]
+            self.transitions.forget(("scrape", name))
+            self.transitions.forget(("ready", name))
             # Removed from the config: gateways are told, and answer 404 within one poll.
             self.holdings.remove(cfg.site, name, now)
         for provider in cfg.providers:
@@ -364,9 +397,7 @@ class OperatorService:
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
         cfg, old = new.config, self.config
-        check_signals_config(cfg)
-        check_sink_paths(new)
-        check_api_exposure(cfg)
+        check_operator_config(new)
         if cfg.listen.http != old.listen.http:
             raise ConfigError("listen.http: changed; restart gridd to apply")
         if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:

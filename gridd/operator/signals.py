@@ -45,6 +45,7 @@ from gridd.channel import ChannelError, ChannelLimits, SignalsSession, parse_sig
 from gridd.config import Config, LoadedConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.holdings import Holdings
+from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError
 from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material
 from gridd.wire import (
@@ -390,12 +391,15 @@ class PeerPoller:
         holdings: Holdings,
         timings: Callable[[], TimingConfig],
         wall: Callable[[], float],
+        transitions: TransitionLog | None = None,
     ) -> None:
         self.peer = peer
         self.fences = fences
         self.holdings = holdings
         self.timings = timings
         self.wall = wall
+        # Shared by the supervisor, so a restarted poller keeps the peer's line budget.
+        self.transitions = transitions if transitions is not None else TransitionLog()
         self.link: PeerLink | None = None
         self.state: PeerState = "unknown"
         self.last_success_at: float | None = None
@@ -473,18 +477,20 @@ class PeerPoller:
     def _succeeded(self) -> None:
         self.last_success_at = trio.current_time()
         self.last_error, self.last_error_detail = None, ""
-        if self.state != "up":
-            log.info("peer %s (%s) is up", self.peer.site, self.peer.url)
+        if (line := self.transitions.observe(self.peer.site, "up", self.last_success_at)) is not None:
+            log.info("peer %s (%s) is up%s", self.peer.site, self.peer.url, line.suffix())
         self.state = "up"
 
     def _failed(self, reason: str, detail: str) -> None:
         self.failures += 1
-        # Logged on a change only: going down, or staying down for another reason (say
-        # unreachable, then reachable with the wrong certificate), never per failed poll.
-        if self.state != "down":
-            log.warning("peer %s (%s) is down (%s): %s", self.peer.site, self.peer.url, reason, detail)
-        elif reason != self.last_error:
-            log.warning("peer %s (%s) is still down, now (%s): %s", self.peer.site, self.peer.url, reason, detail)
+        # Logged on a change only (gridd/core/transitions.py): going down, or staying down
+        # for another reason (say unreachable, then reachable with the wrong certificate),
+        # never per failed poll, and at most a few lines a minute for a flapping peer.
+        line = self.transitions.observe(self.peer.site, f"down ({reason})", trio.current_time())
+        if line is not None:
+            still = "still down, now" if line.old is not None and line.old.startswith("down") else "down"
+            log.warning("peer %s (%s) is %s (%s): %s%s", self.peer.site, self.peer.url, still, reason, detail,
+                        line.suffix())
         self.last_error, self.last_error_detail = reason, detail
         self.state = "down"
 
@@ -539,6 +545,7 @@ class PeerSupervisor:
         self.open_link = open_link
         self.tasks: dict[tuple[str, str], PeerTask] = {}
         self._nursery: trio.Nursery | None = None
+        self.transitions = TransitionLog()
 
     @property
     def running(self) -> bool:
@@ -567,6 +574,8 @@ class PeerSupervisor:
             if restart_all or key not in wanted:
                 task.scope.cancel()
                 del self.tasks[key]
+                if key[0] not in {site for site, _ in wanted}:
+                    self.transitions.forget(key[0])
         started = []
         for key, peer in wanted.items():
             task = self.tasks.get(key)
@@ -574,7 +583,8 @@ class PeerSupervisor:
                 task.peer = task.poller.peer = peer
                 continue
             task = self.tasks[key] = PeerTask(peer, PeerPoller(
-                peer, fences=self.fences, holdings=self.holdings, timings=self.timings, wall=self.wall))
+                peer, fences=self.fences, holdings=self.holdings, timings=self.timings, wall=self.wall,
+                transitions=self.transitions))
             self._nursery.start_soon(self._run_peer, task, name=f"peer-poller-{peer.site}")
             started.append(key)
         return started
