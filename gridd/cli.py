@@ -267,8 +267,9 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"models      {', '.join(role.get('models') or []) or '-'}")
         if role.get("shedding"):
             lines.append(f"shedding    {', '.join(role['shedding'])}")
-        lines += _table(["MODEL", "SITE", "PROVIDER", "AGE", "READY", "EXCLUDED", "RHO", "CAPACITY"], [
+        lines += _table(["MODEL", "SITE", "PROVIDER", "AGE", "SIGNAL", "READY", "EXCLUDED", "RHO", "CAPACITY"], [
             [c["model"], c["site"], c["provider"], _secs(c.get("age_s")),
+             "fresh" if c.get("signal") == "fresh" else str(c.get("signal", "-")).upper(),
              {True: "yes", False: "NO", None: "unknown"}[c.get("ready")], _fmt(c.get("excluded")),
              _fmt(c.get("rho"), ".2f"), _fmt(c.get("capacity"), ".1f")] for c in role.get("candidates", [])])
     return "\n".join(lines)

@@ -45,6 +45,9 @@ def build_role(loaded: LoadedConfig, registry: CollectorRegistry) -> RoleService
     return GatewayService(loaded, registry)
 
 
+DAEMON_STATES = ("starting", "serving", "degraded", "draining")
+"""The daemon's state in gridctl status (docs/troubleshooting.md, "Status states")."""
+
 class Daemon:
     def __init__(
         self,
@@ -239,16 +242,20 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         cfg = self.loaded.config
         role_status = self.role.status()
-        state = "draining" if self._draining else ("serving" if self._started else "starting")
-        if state == "serving" and role_status.get("degraded"):
-            state = "degraded"  # serving, but something the role needs is missing (role_status says what)
+        # The control socket answers from the start: "starting" until READY=1; "degraded"
+        # while serving without something the role needs (role_status["degraded"] says what).
+        if self._draining:
+            state = "draining"
+        elif not self._started:
+            state = "starting"
+        else:
+            state = "degraded" if role_status.get("degraded") else "serving"
         return {
             "role": cfg.role,
             "site": cfg.site,
             "version": __version__,
             "pid": __import__("os").getpid(),
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
-            # The control socket answers from the start: "starting" until READY=1.
             "state": state,
             "config_file": str(self.loaded.path),
             "config_loaded_at": self.loaded.loaded_at,

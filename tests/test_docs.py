@@ -21,6 +21,8 @@ from gridd.config import Config
 from gridd.core.admission import DROP_REASONS
 from gridd.core.feedback import FAILURE_REASONS
 from gridd.core.readiness import FAILURE_CLASSES
+from gridd.core.store import EXCLUSION_REASONS, SIGNAL_STATES
+from gridd.daemon import DAEMON_STATES
 from gridd.operator.signals import REFUSAL_REASONS, PeerState
 from gridd.preflight import TLS_FIXES
 from gridd.probes.runner import PROBE_FAILURE_CLASSES
@@ -118,12 +120,10 @@ def _found(path: str, pattern: str) -> set[str]:
 def test_source_readers_find_what_they_look_for():
     # The readers below must not pass vacuously.
     assert len(_found("core/readiness.py", r'Verdict\((?:True|False|None), "(\w+)"')) == 10
-    assert _found("core/store.py", r'\n        return "(\w+)"|\n            return "(\w+)"') == {
-        "not_ready", "zero_ready_endpoints", "unit_series_stopped"}
 
 
 STATUS_STATES = (
-    _found("daemon.py", r'"state": "(draining)" if|else \("(serving)" if self\._started else "(starting)"\)')
+    set(DAEMON_STATES)
     | set(typing.get_args(PeerState))
     | _found("gateway/service.py", r'self\.operator_state(?:, self\.last_poll_error)? = "([^"]+)"')
     | _found("probes/runner.py", r'why = "([a-z ]+)"|"provider disabled" if|\("(provider disabled)"|else "(stopped)"\)'
@@ -140,7 +140,8 @@ STATUS_STATES = (
     ("Feedback failure reasons", set(FAILURE_REASONS)),
     ("Ready condition reasons", _found("core/readiness.py", r'Verdict\((?:True|False|None), "(\w+)"')),
     ("GatewayAgesRejected reasons", _found("core/feedback.py", r'"reason": "(\w+)"|reason, message = "(\w+)"')),
-    ("Gateway exclusion reasons", _found("core/store.py", r'\n        return "(\w+)"|\n            return "(\w+)"')),
+    ("Gateway exclusion reasons", set(EXCLUSION_REASONS)),
+    ("Gateway signal states", set(SIGNAL_STATES)),
     ("Status states", STATUS_STATES),
     ("Front answers", _found("gateway/front.py", r'metrics\.request\([^)]*"(\w+)"\)|exchange\.outcome = "(\w+)"')
      | _found("gateway/front.py", r'exchange\.outcome = "\w+" if [^\n]* else "(\w+)"')),

@@ -95,6 +95,23 @@ class Candidate:
         return self.batch.age_s + max(0.0, now - self.received_at)
 
 
+EXCLUSION_REASONS = ("not_ready", "zero_ready_endpoints", "unit_series_stopped", "no_route", "silent")
+"""Why a candidate is out of selection (gridctl status's EXCLUDED; docs/troubleshooting.md)."""
+SIGNAL_STATES = ("fresh", "stale", "silent")
+"""How recent a candidate's reading is: within the TTL, past it, past SILENT_AFTER_TTLS x it."""
+
+
+class CandidateState(msgspec.Struct, frozen=True):
+    """Where one candidate stands at one instant (what status and explain show).
+
+    signal: one of SIGNAL_STATES. excluded: one of EXCLUSION_REASONS, or None.
+    """
+
+    signal: str
+    excluded: str | None
+    age_s: float
+
+
 def excluded_reason(batch: Batch, *, units_seen: bool = True) -> str | None:
     """Why a site leaves selection, or None. A reading of ready 0, a zero ready count, or
     per-unit series that stopped while the ready count kept stamping exclude it until a
@@ -122,7 +139,7 @@ class GatewayStore:
         self.snapshots: dict[str, OrderedSnapshot] = {}
         self.local_snapshots: dict[str, OrderedSnapshot] = {}
         self.sends = RecentSends(horizon_s=knobs.signal_ttl_s)
-        self.serving = ServingConfig()
+        self.set_serving(ServingConfig())
         self.ingests = 0
         self.last_ingest_at: float | None = None
 
@@ -149,6 +166,8 @@ class GatewayStore:
 
     def set_serving(self, serving: ServingConfig) -> None:
         self.serving = serving
+        self._local_providers = frozenset(p.provider for p in serving.providers)
+        self._ingress_sites = frozenset(i.site for i in serving.ingresses)
 
     def ingest(self, batches: Iterable[Batch], *, now: float, now_wall: float, complete_view: bool = True,
                removed: Iterable[tuple[str, str]] = ()) -> None:
@@ -194,27 +213,41 @@ class GatewayStore:
         self.fences.forget(*key)
         self.sends.forget(key)
 
+    def candidate_state(self, cand: Candidate, now: float) -> CandidateState:
+        """The candidate's signal state and exclusion at ``now``: the one place both are
+        decided (ordering, status and explain all read this)."""
+        age = cand.age_s(now)
+        ttl = self.signal_ttl_s
+        signal = "fresh" if age <= ttl else ("stale" if age <= SILENT_AFTER_TTLS * ttl else "silent")
+        excluded = excluded_reason(cand.batch, units_seen=cand.units_seen) if cand.batch is not None else None
+        if excluded is None:
+            if signal == "silent":
+                excluded = "silent"
+            elif not self._routable(cand):
+                # A candidate this gateway cannot forward to (no local endpoint, no ingress
+                # for its site) is kept as excluded: the model exists but cannot be served
+                # from here.
+                excluded = "no_route"
+        return CandidateState(signal, excluded, age)
+
+    def _routable(self, cand: Candidate) -> bool:
+        if cand.site == self.site:
+            return cand.provider in self._local_providers
+        return cand.site in self._ingress_sites
+
     def rebuild(self, now: float) -> None:
         """The scorer: one immutable ordered snapshot per model, swapped in whole."""
         views: dict[str, list[CandidateView]] = {}
-        local_providers = {p.provider for p in self.serving.providers}
-        ingresses = {i.site for i in self.serving.ingresses}
         for cand in self.candidates.values():
             batch = cand.batch
             if batch is None:
                 continue
-            local = cand.site == self.site
-            # A candidate this gateway cannot forward to (no local endpoint, no ingress for
-            # its site) is kept as excluded: the model exists but cannot be served from here.
-            routable = cand.provider in local_providers if local else cand.site in ingresses
-            age = cand.age_s(now)
-            fresh = age <= self.signal_ttl_s
-            silent = age > SILENT_AFTER_TTLS * self.signal_ttl_s
+            state = self.candidate_state(cand, now)
+            fresh = state.signal == "fresh"
             load: LoadSignals | None = batch.load if fresh else None
             views.setdefault(cand.model, []).append(candidate_view(
                 site=cand.site, provider=cand.provider, model=cand.model, learner=cand.learner, load=load,
-                now=now, local=local, fresh=fresh,
-                healthy=routable and not silent and excluded_reason(batch, units_seen=cand.units_seen) is None,
+                now=now, local=cand.site == self.site, fresh=fresh, healthy=state.excluded is None,
             ))
         snapshots: dict[str, OrderedSnapshot] = {}
         local_snapshots: dict[str, OrderedSnapshot] = {}
@@ -287,11 +320,10 @@ class GatewayStore:
         return extra_rho
 
     def _unavailable_cause(self, snapshot: OrderedSnapshot, now: float) -> str:
-        """"silent" when no excluded candidate has reported for SILENT_AFTER_TTLS x the TTL."""
-        horizon = SILENT_AFTER_TTLS * self.signal_ttl_s
+        """"silent" when every excluded candidate is excluded for being silent."""
         for view in snapshot.excluded:
             cand = self.candidates.get((view.site, view.provider))
-            if cand is not None and cand.age_s(now) <= horizon:
+            if cand is not None and self.candidate_state(cand, now).excluded != "silent":
                 return "excluded"
         return "silent"
 

@@ -29,7 +29,7 @@ from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse
 from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
-from gridd.core.store import GatewayStore, RoutingKnobs, excluded_reason
+from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
 from gridd.gateway.forward import SwappableTransport, make_upstream_transport
@@ -408,11 +408,14 @@ class GatewayService:
         candidates = []
         for cand in sorted(store.candidates.values(), key=lambda c: (c.model, c.site, c.provider)):
             b = cand.batch
+            state = store.candidate_state(cand, now)
             candidates.append({
                 "model": cand.model, "site": cand.site, "provider": cand.provider,
-                "age_s": round(cand.age_s(now), 3), "ready": b.ready if b else None,
-                "excluded": excluded_reason(b, units_seen=cand.units_seen) if b else "no_reading",
-                "rho": cand.learner.recent_worst_rho(now), "capacity": cand.learner.bound,
+                "age_s": round(state.age_s, 3), "signal": state.signal, "ready": b.ready if b else None,
+                "excluded": state.excluded,
+                # A reading past the TTL says nothing about now: no rho is shown for it.
+                "rho": cand.learner.recent_worst_rho(now) if state.signal == "fresh" else None,
+                "capacity": cand.learner.capacity(now),
             })
         return {
             # Serving but unable to route: status says "degraded" with this reason.
