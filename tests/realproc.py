@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -35,3 +41,52 @@ def wait_until(check, what: str, deadline_s: float = 30.0):
             last = exc
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+class Processes:
+    """Named gridd processes started in one directory, each logging to ``<name>.log``
+    there; ``env`` adds variables to a process's environment."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
+                                env=None if env is None else {**os.environ, **env})
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.dir / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def stop(self, name: str) -> int:
+        """SIGTERM one process and wait for it; its exit code."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=20)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def sim_url(self, name: str) -> str:
+        def url() -> str | None:
+            m = re.search(r"listening on (http://\S+)", self.log(name))
+            return m.group(1) if m else None
+
+        return wait_until(url, f"{name} to listen")

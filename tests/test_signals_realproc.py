@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from realproc import Processes
 
 pytestmark = pytest.mark.realproc
 
@@ -62,45 +62,6 @@ def wait_for(what: str, check: Callable[[], object], timeout: float = WAIT_S) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.2)
-
-
-class Processes:
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir)
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.dir / f"{name}.log").read_text(errors="replace")
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        proc.kill()
-        proc.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-    def sim_url(self, name: str) -> str:
-        def url() -> str | None:
-            m = re.search(r"listening on (http://\S+)", self.log(name))
-            return m.group(1) if m else None
-
-        return wait_for(f"{name} to listen", url)
 
 
 def metrics(port: int) -> str:

@@ -29,7 +29,7 @@ from gridd.core.admission import AdmissionFences
 from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
-from gridd.core.readiness import Verdict, effective_stale_after_s
+from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
@@ -303,9 +303,11 @@ class OperatorService:
 
     def _stale_after_s(self) -> float:
         t = self.config.timings
-        last_pass = self.pool.last_pass_s if self.pool is not None and self.pool.last_pass_s is not None else 0.0
-        # The readiness floor (one interval + max(interval, last pass)) overrides
-        # staleMetricsSeconds when longer (spec: Provider Readiness).
+        pool = self.pool
+        # The readiness floor (one interval + max(interval, latest measured pass)) overrides
+        # staleMetricsSeconds when longer (spec: Provider Readiness). The pass still running
+        # counts as soon as it has run longer than the last finished one.
+        last_pass = measured_pass_s(pool.last_pass_s, pool.pass_started_at, trio.current_time()) if pool else 0.0
         return effective_stale_after_s(t.effective_stale_metrics_s, t.scrape_interval_s, last_pass)
 
     def _current_verdict(self, publisher: ProviderPublisher) -> Verdict:

@@ -1,0 +1,112 @@
+"""Operator failure paths (issue 11): a slow provider next to healthy ones, a staged reload
+that must write nothing, metrics.kind, latency per model, one bad field in a reading,
+batch_samples per serving unit, and batch ordering across clock steps and restarts.
+
+Timings run on trio's MockClock against in-process simulators (no sockets)."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+from prometheus_client import CollectorRegistry
+
+from gridd.config import load_config
+from gridd.operator.service import OperatorService
+from gridd.sim.app import SimApp
+from gridd.sim.model import knobs_from
+
+WALL_ORIGIN = 1_800_000_000
+
+TWO_PROVIDERS = """
+role: operator
+site: a
+state_dir: state
+timings: {{stale_metrics_s: 1}}
+providers:
+  - name: healthy
+    model: sim-model
+    settings: {{endpoint: "http://healthy/v1"}}
+    metrics: {{url: "http://healthy/metrics", timeout_s: 5}}
+  - name: hung
+    model: sim-model
+    settings: {{endpoint: "http://hung/v1"}}
+    metrics: {{url: "http://hung/metrics", timeout_s: 5{extra}}}
+"""
+
+
+class TwoRig:
+    """An operator scraping two in-process simulators, ``healthy`` and ``hung``."""
+
+    def __init__(self, tmp_path, *, extra: str = "") -> None:
+        (tmp_path / "operator.yaml").write_text(TWO_PROVIDERS.format(extra=extra))
+        self.sims = {name: SimApp(knobs_from({"endpoints": 2})) for name in ("healthy", "hung")}
+        self.client = httpx.AsyncClient(mounts={
+            f"http://{name}": httpx.ASGITransport(app=sim) for name, sim in self.sims.items()})
+        self.registry = CollectorRegistry()
+        self.loaded = load_config(tmp_path / "operator.yaml", env={})
+        self.operator = OperatorService(self.loaded, self.registry, client=self.client,
+                                        wall=lambda: WALL_ORIGIN + trio.current_time())
+
+    def sample(self, name: str, provider: str):
+        return self.registry.get_sample_value(name, {"grid_site": "a", "grid_provider": provider})
+
+
+async def test_a_hanging_provider_never_makes_a_healthy_one_stale(tmp_path, autojump_clock):
+    rig = TwoRig(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()  # passes at +0, +1, +2, +3 (1 s interval)
+        await trio.sleep_until(origin + 3.5)
+        rig.sims["hung"].set_knobs(metrics_hang=True)
+        # The pass starting at +4 waits for the hung scrape's 5 s timeout: it ends at +9 and
+        # the next starts at once. The healthy provider answers at the start of each pass.
+        # The floor counts the running pass once it exceeds the last (about 0 s), so at +8.5
+        # it is 1 + max(1, 4.5) = 5.5 s; with the finished pass alone it stayed 2 s and the
+        # healthy provider read stale from +6 (2 s after its +4 answer) to +9.
+        checks = 0
+        t = origin + 3.5
+        while t <= origin + 20.0:
+            await trio.sleep_until(t)
+            assert rig.sample("grid_provider_ready", "healthy") == 1.0, t - origin
+            assert rig.sample("grid_provider_in_flight_requests", "healthy") == 0.0, t - origin
+            assert rig.sample("grid_provider_ready_endpoints", "healthy") == 2.0, t - origin
+            checks += 1
+            t += 0.25
+        assert checks == 67
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_hung_provider_goes_not_ready_after_the_floor(tmp_path, autojump_clock):
+    rig = TwoRig(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 3.5)
+        rig.sims["hung"].set_knobs(metrics_hang=True)  # last answer at +3
+        await trio.sleep_until(origin + 6.5)
+        # Pass running since +4 for 2.5 s: floor 1 + max(1, 2.5) = 3.5 s; silent 3.5 s.
+        assert rig.operator.status()["stale_after_s"] == 3.5
+        assert rig.sample("grid_provider_ready", "hung") == 1.0
+        await trio.sleep_until(origin + 8.5)
+        assert rig.operator.status()["stale_after_s"] == 5.5
+        assert rig.sample("grid_provider_ready", "hung") == 1.0
+        # The pass ended at +9 (5 s); the next runs from +9: floor 1 + 5 = 6 s, and the hung
+        # provider has been silent 6.5 s.
+        await trio.sleep_until(origin + 9.5)
+        assert rig.sample("grid_provider_ready", "hung") == 0.0
+        verdict = rig.operator.publishers["hung"].current_verdict(
+            trio.current_time(), stale_after_s=rig.operator.status()["stale_after_s"], unavailable=False)
+        assert (verdict.reason, verdict.failure_class) == ("ScrapeFailed", "timeout")
+        assert verdict.message == ("no scrape answered for 6.5s (stale after 6.0s); latest scrape failed: timeout")
+        assert rig.sample("grid_provider_ready", "healthy") == 1.0
+        nursery.cancel_scope.cancel()
+
+
+def test_measured_pass_counts_the_running_pass_once_it_is_longer():
+    from gridd.core.readiness import effective_stale_after_s, measured_pass_s
+
+    assert measured_pass_s(None, None, 5.0) == 0.0
+    assert measured_pass_s(0.25, None, 5.0) == 0.25
+    assert measured_pass_s(3.0, 4.0, 5.0) == 3.0  # running 1 s: the finished pass is longer
+    assert measured_pass_s(0.25, 4.0, 8.5) == 4.5  # running 4.5 s
+    assert effective_stale_after_s(1.0, 1.0, measured_pass_s(0.25, 4.0, 8.5)) == 5.5
