@@ -110,3 +110,38 @@ def test_measured_pass_counts_the_running_pass_once_it_is_longer():
     assert measured_pass_s(3.0, 4.0, 5.0) == 3.0  # running 1 s: the finished pass is longer
     assert measured_pass_s(0.25, 4.0, 8.5) == 4.5  # running 4.5 s
     assert effective_stale_after_s(1.0, 1.0, measured_pass_s(0.25, 4.0, 8.5)) == 5.5
+
+
+# -- batch_samples: one per serving unit -------------------------------------------------
+
+
+async def test_batch_samples_counts_serving_units_and_zero_without_a_fresh_endpoint(tmp_path, autojump_clock):
+    rig = TwoRig(tmp_path)
+    rig.sims["healthy"].set_knobs(endpoints=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 1.5)
+        batch = rig.operator.holdings.get("a", "healthy").batch
+        assert len(batch.load.units) == 4 and batch.complete
+        assert batch.revision.batch_samples == 4  # 4 endpoints: 4 samples (it was 5)
+        rig.sims["healthy"].set_knobs(zero_ready=True)
+        await trio.sleep_until(origin + 2.5)
+        batch = rig.operator.holdings.get("a", "healthy").batch
+        # No fresh endpoint: nothing to learn from, a zero-sample revision.
+        assert batch.load.ready_endpoints == 0 and batch.complete
+        assert batch.revision.batch_samples == 0
+        nursery.cancel_scope.cancel()
+
+
+def test_sample_count_rules():
+    from gridd.core.readings import LoadSignals, UnitLoad
+    from gridd.core.signals import legacy_sample_count, sample_count
+
+    units = tuple(UnitLoad(unit=f"u{i}", waiting=0.0) for i in range(4))
+    assert sample_count(LoadSignals(ready_endpoints=4, units=units, avg_running=1.0, in_flight=4.0)) == 4
+    assert legacy_sample_count(LoadSignals(ready_endpoints=4, units=units, avg_running=1.0, in_flight=4.0)) == 5
+    # Pool-level load without per-unit series: the pool is the one sample.
+    assert sample_count(LoadSignals(ready_endpoints=2, avg_running=1.0, avg_waiting=0.0)) == 1
+    assert sample_count(LoadSignals(ready_endpoints=0, flow_queue=3.0)) == 0
+    assert sample_count(LoadSignals()) == 0

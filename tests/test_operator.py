@@ -189,7 +189,7 @@ async def test_exported_series_pass_promtool(tmp_path, autojump_clock):
                    "grid_provider_error_ratio", "grid_provider_config_generation"):
         assert re.search(rf"^{family}\{{", text, re.M), family
     gen = re.search(r"^grid_provider_config_generation\{(.*)\} 1\.0 (\d+)$", text, re.M)
-    assert gen is not None and 'batch_samples="3"' in gen.group(1)
+    assert gen is not None and 'batch_samples="2"' in gen.group(1)  # 2 endpoints
     proc = await trio.run_process([promtool, "check", "metrics"], stdin=body, capture_stdout=True,
                                   capture_stderr=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -24,7 +24,7 @@ from typing import Final, Literal
 import msgspec
 
 from gridd.core.readings import LatencyBlock, LoadSignals
-from gridd.core.signals import sample_count
+from gridd.core.signals import legacy_sample_count, sample_count
 from gridd.wire import FEEDBACK_EVIDENCE_MAX, WIRE_INT_MAX, Batch, Cursor, SkewEvidence
 
 __all__ = [
@@ -333,11 +333,13 @@ def validate_payload(batch: Batch) -> str | None:
         problem = _load_problem(load)
         if problem is not None:
             return problem
-        # batch_samples is the scrape's load-sample count (gridd.core.signals.sample_count):
-        # a complete batch carries exactly that many, an incomplete one no more.
+        # batch_samples is the scrape's load-sample count (gridd.core.signals.sample_count,
+        # one per serving unit): a complete batch carries exactly that many, an incomplete
+        # one no more. An older operator counted the pool-level load as one more sample;
+        # its complete batches are still admitted (legacy_sample_count).
         if revision is not None:
             carried = sample_count(load)
-            if batch.complete and carried != revision.batch_samples:
+            if batch.complete and revision.batch_samples not in (carried, legacy_sample_count(load)):
                 return f"complete batch carries {carried} samples, revision says {revision.batch_samples}"
             if carried > revision.batch_samples:
                 return f"batch carries {carried} samples, revision says {revision.batch_samples}"

@@ -25,6 +25,7 @@ __all__ = [
     "WANTED_SAMPLES",
     "LOAD_SAMPLES",
     "derive_load",
+    "legacy_sample_count",
     "pool_names",
     "sample_count",
 ]
@@ -127,18 +128,30 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
 
 
 def sample_count(load: LoadSignals) -> int:
-    """The batch's load-sample count (``batch_samples``; DESIGN 5: a batch "carries its
-    sample count").
+    """The batch's load-sample count (``batch_samples``): one per serving unit.
 
-    One sample per serving unit in ``load.units``, plus one pool-level sample when the
-    batch carries any fresh pool-level load (avg_running, avg_waiting, kv_mean or
-    in_flight). A provider with no fresh endpoint therefore counts 0, which is what the
-    spec's "A zero-sample revision invalidates learning" needs. ready_endpoints and
-    flow_queue are not load samples: they are stamped even when nothing is fresh.
+    DESIGN 5: a batch "carries its sample count", and its load samples are per serving
+    unit. So the count is ``len(load.units)``; a batch that has fresh pool-level load
+    (avg_running, avg_waiting, kv_mean or in_flight) but no per-unit series counts the
+    pool as its one sample. A provider with no fresh endpoint carries neither and counts
+    0, which is what the spec's "A zero-sample revision invalidates learning" needs.
+    ready_endpoints and flow_queue are not load samples: they are stamped even when
+    nothing is fresh.
     """
-    pool_sample = any(v is not None for v in
-                      (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
-    return len(load.units) + (1 if pool_sample else 0)
+    if load.units:
+        return len(load.units)
+    return 1 if _has_pool_sample(load) else 0
+
+
+def legacy_sample_count(load: LoadSignals) -> int:
+    """The count operators published before it was per serving unit: the units plus one
+    for the pool-level load. Receivers still accept it on a complete batch, so a fleet
+    upgraded one site at a time keeps admitting the older sites' batches."""
+    return len(load.units) + (1 if _has_pool_sample(load) else 0)
+
+
+def _has_pool_sample(load: LoadSignals) -> bool:
+    return any(v is not None for v in (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
 
 
 def _first_for_pool(expo: Exposition, families: Iterable[str], pool: str) -> float | None:
