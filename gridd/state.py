@@ -99,28 +99,43 @@ class StateDir:
             raise StateError(f"{p}: unreadable provider revisions: {exc}") from None
 
     def sync_providers(self, providers: list[ProviderConfig]) -> dict[str, ProviderRevision]:
-        """Assign a random uid at creation and bump the generation on every spec change. A
-        provider absent from the config is deleted here, so re-creating the same name later
-        gets a new uid (spec: provider_uid identifies the object, including same-name
-        recreations)."""
+        """At start: the stored revisions brought up to this config, written durably when
+        they changed (see plan_revisions)."""
         old = self._read_revisions()
-        new: dict[str, ProviderRevision] = {}
-        for provider in providers:
-            digest = provider_spec_digest(provider)
-            prev = old.get(provider.name)
-            if prev is None:
-                new[provider.name] = ProviderRevision(secrets.token_hex(8), 1, digest)
-            elif prev.spec_digest != digest:
-                new[provider.name] = ProviderRevision(prev.uid, prev.generation + 1, digest)
-            else:
-                new[provider.name] = prev
+        new = plan_revisions(old, providers)
         if new != old:
-            write_durably(self.path / PROVIDERS_FILE, msgspec.json.encode(new))
+            self.write_revisions(new)
         return new
+
+    def write_revisions(self, revisions: dict[str, ProviderRevision]) -> None:
+        write_durably(self.path / PROVIDERS_FILE, msgspec.json.encode(revisions))
+
+
+def plan_revisions(current: dict[str, ProviderRevision],
+                   providers: list[ProviderConfig]) -> dict[str, ProviderRevision]:
+    """The revisions ``providers`` get, from the ``current`` ones; nothing is written.
+
+    Assign a random uid at creation and bump the generation on every spec change. A
+    provider absent from the config is deleted here, so re-creating the same name later
+    gets a new uid (spec: provider_uid identifies the object, including same-name
+    recreations). A staged reload plans; only its commit writes (DESIGN 4: "a rejected
+    reload changes and publishes nothing").
+    """
+    new: dict[str, ProviderRevision] = {}
+    for provider in providers:
+        digest = provider_spec_digest(provider)
+        prev = current.get(provider.name)
+        if prev is None:
+            new[provider.name] = ProviderRevision(secrets.token_hex(8), 1, digest)
+        elif prev.spec_digest != digest:
+            new[provider.name] = ProviderRevision(prev.uid, prev.generation + 1, digest)
+        else:
+            new[provider.name] = prev
+    return new
 
 
 def state_summary(state: StateDir) -> dict[str, Any]:
     return {"path": str(state.path), "epoch_high_water": state.read_epoch_high_water()}
 
 
-__all__ = ["StateDir", "ProviderRevision", "provider_spec_digest", "write_durably"]
+__all__ = ["StateDir", "ProviderRevision", "plan_revisions", "provider_spec_digest", "write_durably"]

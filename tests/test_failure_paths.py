@@ -145,3 +145,53 @@ def test_sample_count_rules():
     assert sample_count(LoadSignals(ready_endpoints=2, avg_running=1.0, avg_waiting=0.0)) == 1
     assert sample_count(LoadSignals(ready_endpoints=0, flow_queue=3.0)) == 0
     assert sample_count(LoadSignals()) == 0
+
+
+# -- a staged reload writes nothing ----------------------------------------------------------
+
+
+async def test_staging_a_reload_writes_no_state_and_commit_writes_it(tmp_path, autojump_clock):
+    import math
+
+    import pytest
+
+    from gridd.errors import StateError
+
+    rig = TwoRig(tmp_path)
+    providers_file = tmp_path / "state" / "providers.json"
+    config = tmp_path / "operator.yaml"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        before = providers_file.read_bytes()
+        generation = rig.operator.publishers["hung"].generation
+        config.write_text(TWO_PROVIDERS.format(extra=", queue_full_at: 4"))  # a spec change
+        autojump_clock.autojump_threshold = math.inf  # stage() checks TLS in a thread
+        staged = await rig.operator.stage(load_config(config, env={}))
+        autojump_clock.autojump_threshold = 0
+        assert staged.revisions["hung"].generation == generation + 1
+        # Staged, not committed (a reload rejected after staging): nothing durable changed.
+        assert providers_file.read_bytes() == before
+        # The next staging plans from the committed revisions, not from the dropped one.
+        autojump_clock.autojump_threshold = math.inf
+        staged = await rig.operator.stage(load_config(config, env={}))
+        autojump_clock.autojump_threshold = 0
+        assert staged.revisions["hung"].generation == generation + 1
+        assert providers_file.read_bytes() == before
+
+        # A commit whose write fails is rejected before anything is swapped.
+        state_dir = providers_file.parent
+        state_dir.rename(tmp_path / "state-moved")
+        state_dir.write_text("not a directory")
+        with pytest.raises(StateError):
+            rig.operator.commit(staged)
+        assert rig.operator.revisions["hung"].generation == generation
+        assert rig.operator.publishers["hung"].generation == generation
+        assert rig.operator.config.providers[1].metrics.queue_full_at is None
+        state_dir.unlink()
+        (tmp_path / "state-moved").rename(state_dir)
+
+        rig.operator.commit(staged)
+        assert rig.operator.publishers["hung"].generation == generation + 1
+        assert providers_file.read_bytes() != before
+        assert b'"generation":%d' % (generation + 1) in providers_file.read_bytes()
+        nursery.cancel_scope.cancel()

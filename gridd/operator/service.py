@@ -46,7 +46,7 @@ from gridd.operator.signals import (
 )
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
-from gridd.state import ProviderRevision, StateDir, write_durably
+from gridd.state import ProviderRevision, StateDir, plan_revisions, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
 
@@ -100,6 +100,8 @@ class OperatorService:
         self.holdings = Holdings()
         self.fences = AdmissionFences(future_epoch_bound_s=loaded.config.timings.future_epoch_bound_s)
         self.publishers: dict[str, ProviderPublisher] = {}
+        # The provider revisions last committed (and written to the state directory).
+        self.revisions: dict[str, ProviderRevision] = {}
         self._providers_by_name: dict[str, ProviderConfig] = {}
         self.publisher_epoch: int | None = None
         # One sequence for every batch this operator publishes in its epoch: strictly
@@ -190,8 +192,8 @@ class OperatorService:
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
-        revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
-        self._apply_providers(revisions)
+        self.revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
+        self._apply_providers(self.revisions)
         await self.load_gateway_evidence()
         log.info("publisher epoch %d; %d providers", self.publisher_epoch, len(self.publishers))
         timings = self.config.timings
@@ -379,11 +381,18 @@ class OperatorService:
             raise ConfigError("tls: added or removed; restart gridd to apply")
         # A bad certificate/key/CA rejects the reload; the old material keeps serving.
         tls = await trio.to_thread.run_sync(load_signals_tls, new, self.wall())
-        # Provider revisions are persisted here, last, once everything else checked out.
-        revisions = await trio.to_thread.run_sync(self.state.sync_providers, new.config.providers)
+        # Staging changes nothing durable: the revisions are planned from the committed ones
+        # and written by commit(), so a rejected reload leaves the state directory as it was.
+        revisions = plan_revisions(self.revisions, new.config.providers)
         return StagedOperator(new, revisions, tls)
 
     def commit(self, staged: StagedOperator) -> None:
+        """Swap the staged config in. The changed provider revisions are written first
+        (one small file, replaced atomically): if that fails, StateError rejects the reload
+        before anything was swapped, and the file on disk is the old one."""
+        if staged.revisions != self.revisions:
+            self.state.write_revisions(staged.revisions)
+        self.revisions = staged.revisions
         old = self.config
         self.loaded = staged.loaded
         t = self.config.timings
