@@ -81,6 +81,7 @@ def _check_config(path: str | None) -> int:
 def _run(path: str | None) -> int:
     import trio
 
+    from gridd.clock import OFFSET_ENV, wall_clock_offset_s
     from gridd.config import load_config
     from gridd.daemon import Daemon
     from gridd.errors import GriddError
@@ -95,10 +96,14 @@ def _run(path: str | None) -> int:
         return EXIT_USAGE
     try:
         loaded = load_config(path)
+        clock_offset_s = wall_clock_offset_s()
     except GriddError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_USAGE
     setup_logging(loaded.config.log_level)
+    if clock_offset_s:
+        log.warning("wall clock shifted by %+g s (%s, a test aid): epochs, published times and "
+                    "the skew bound read the shifted clock", clock_offset_s, OFFSET_ENV)
     try:
         daemon = Daemon(loaded)
         trio.run(daemon.run)

@@ -195,3 +195,142 @@ async def test_staging_a_reload_writes_no_state_and_commit_writes_it(tmp_path, a
         assert providers_file.read_bytes() != before
         assert b'"generation":%d' % (generation + 1) in providers_file.read_bytes()
         nursery.cancel_scope.cancel()
+
+
+# -- ordering across clock steps and restarts -------------------------------------------------
+
+EPP_BODY = (b'llm_d_epp_ready_endpoints{name="p"} 2\nllm_d_epp_average_running_requests{name="p"} 1\n'
+            b'llm_d_epp_average_queue_size{name="p"} 0\nllm_d_epp_average_kv_cache_utilization{name="p"} 0.2\n'
+            b'llm_d_epp_per_endpoint_queue_size{name="p",model_server_endpoint="e0"} 0\n')
+
+
+def _publisher(epoch: int, sequences):
+    from gridd.core.publication import ProviderPublisher
+
+    return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                             publisher_epoch=epoch, created_at=0.0, next_sequence=sequences.__next__)
+
+
+def test_a_verdict_after_a_restart_with_the_clock_set_back_is_admitted():
+    from gridd.core.admission import AdmissionFences, Outcome
+
+    wall = 1_800_000_000.0
+    receiver = AdmissionFences()
+    before = _publisher(1_799_990_000, iter(range(1, 100)))
+    for i in range(3):
+        batch = before.on_scrape(now=float(i), wall_now=wall + i, body=EPP_BODY, failure_class=None,
+                                 stale_after_s=2.0, unavailable=False)
+        assert receiver.admit(batch, now_wall=wall + i, verified_site=None).outcome is Outcome.ACCEPTED
+    # A failed scrape's verdict-only batch: ordered by (epoch, sequence) like the rest.
+    failed = before.on_scrape(now=3.0, wall_now=wall + 3, body=None, failure_class="connect",
+                              stale_after_s=2.0, unavailable=False)
+    assert failed.revision is None and failed.order.batch_sequence == 4
+    assert receiver.admit(failed, now_wall=wall + 3, verified_site=None).outcome is Outcome.ACCEPTED
+
+    # Restart under the next epoch (the high-water mark + 1) with the clock 1 h back.
+    after = _publisher(1_799_990_001, iter(range(1, 100)))
+    set_back = wall - 3600
+    verdict = after.on_scrape(now=100.0, wall_now=set_back, body=None, failure_class="timeout",
+                              stale_after_s=2.0, unavailable=False)
+    assert (verdict.ready, verdict.ready_reason) == (False, "ScrapeFailed")
+    assert verdict.published_ms < failed.published_ms  # published_ms went back with the clock
+    # Ordered by published_ms this was stale_order, and the gateway kept "ready".
+    assert receiver.admit(verdict, now_wall=wall + 5, verified_site=None).outcome is Outcome.ACCEPTED
+    assert receiver.fence("a", "p") == (1_799_990_001, 1)
+    # A delayed batch of the old epoch stays out, verdict-only or not.
+    assert receiver.admit(failed, now_wall=wall + 6, verified_site=None).reason == "stale_order"
+
+
+def test_revision_less_batches_of_older_operators_still_order_by_published_ms():
+    import msgspec
+
+    from gridd.core.admission import AdmissionFences, Outcome
+
+    receiver = AdmissionFences()
+    old = _publisher(7, iter(range(1, 9)))
+    first = old.on_scrape(now=0.0, wall_now=1000.0, body=None, failure_class="connect", stale_after_s=2.0,
+                          unavailable=False)
+    first = msgspec.structs.replace(first, order=None)  # as an older operator sends it
+    second = msgspec.structs.replace(first, published_ms=first.published_ms - 1, ready_reason="x")
+    assert receiver.admit(first, now_wall=1000.0, verified_site=None).outcome is Outcome.ACCEPTED
+    assert receiver.admit(second, now_wall=1000.0, verified_site=None).reason == "stale_order"
+
+
+def test_order_beside_a_revision_is_refused():
+    import msgspec
+
+    from gridd.core.admission import validate_payload
+    from gridd.core.readings import BatchOrder
+
+    batch = _publisher(7, iter(range(1, 9))).on_scrape(now=0.0, wall_now=1000.0, body=EPP_BODY, failure_class=None,
+                                                       stale_after_s=2.0, unavailable=False)
+    assert batch.revision is not None and batch.order is None
+    assert validate_payload(msgspec.structs.replace(batch, order=BatchOrder(7, 1))) == "order beside revision metadata"
+
+
+def test_a_high_water_mark_beyond_the_skew_bound_is_not_claimed(tmp_path):
+    from gridd.state import EpochClaim, StateDir
+
+    state = StateDir(tmp_path / "state")
+    now = 1_800_000_000.0
+    assert state.claim_publisher_epoch(now + 3600, future_bound_s=600) == EpochClaim(1_800_003_600)
+    # The clock was an hour ahead and is corrected: the mark is 3600 s > 600 s ahead.
+    assert state.claim_publisher_epoch(now, future_bound_s=600) == EpochClaim(1_800_000_000, discarded=1_800_003_600)
+    assert state.read_epoch_high_water() == 1_800_000_000
+    # Within the bound the mark is honoured (a clock set back 10 min: exactly the bound).
+    assert state.claim_publisher_epoch(now - 599, future_bound_s=600) == EpochClaim(1_800_000_001)
+    assert state.claim_publisher_epoch(now + 1, future_bound_s=600) == EpochClaim(1_800_000_002)
+
+
+async def test_a_clock_corrected_while_running_restarts_the_epoch_and_receivers_follow(tmp_path, autojump_clock):
+    """The clock runs an hour ahead, then is corrected while the operator runs. A receiver
+    whose clock was right all along dropped the future epoch as skew; one whose clock was
+    ahead too (a gateway on the same host) admitted it. Both admit the epoch the operator
+    restarts from the clock."""
+    from gridd.core.admission import AdmissionFences
+
+    ahead = {"s": 3600.0}
+
+    def wall() -> float:
+        return WALL_ORIGIN + ahead["s"] + trio.current_time()
+
+    async def inline(fn, *args):
+        return fn(*args)
+
+    (tmp_path / "operator.yaml").write_text(TWO_PROVIDERS.format(extra=""))
+    sims = {name: SimApp(knobs_from({"endpoints": 2})) for name in ("healthy", "hung")}
+    client = httpx.AsyncClient(mounts={f"http://{n}": httpx.ASGITransport(app=sim) for n, sim in sims.items()})
+    registry = CollectorRegistry()
+    operator = OperatorService(load_config(tmp_path / "operator.yaml", env={}), registry, client=client,
+                               wall=wall, state_io=inline)
+    right, same_host = AdmissionFences(), AdmissionFences()
+
+    def deliver() -> tuple[str, str]:
+        batch = operator.holdings.get("a", "healthy").batch
+        now = trio.current_time()
+        outcomes = []
+        for receiver, receiver_wall in ((right, WALL_ORIGIN + now), (same_host, wall())):
+            verdict = receiver.admit(batch, now_wall=receiver_wall, verified_site=None)
+            outcomes.append(verdict.reason or verdict.outcome.value)
+        return tuple(outcomes)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(operator.run)
+        origin = trio.current_time()
+        future_epoch = operator.publisher_epoch
+        assert future_epoch == WALL_ORIGIN + 3600 + int(origin)
+        await trio.sleep_until(origin + 0.5)
+        assert deliver() == ("skew", "accepted")
+        ahead["s"] = 0.0  # the clock is corrected (for the operator and the same-host receiver)
+        await trio.sleep_until(origin + 1.5)  # the scrape at +1 re-claims
+        assert operator.publisher_epoch == WALL_ORIGIN + int(origin) + 1
+        assert operator.holdings.get("a", "healthy").batch.revision.publisher_epoch == operator.publisher_epoch
+        assert registry.get_sample_value("grid_operator_publisher_epoch_clock_resets_total") == 1.0
+        # The same-host receiver's fence (the future epoch) is beyond its corrected clock's
+        # bound, so it is released rather than locking the provider out as stale_order.
+        assert deliver() == ("accepted", "accepted")
+        await trio.sleep_until(origin + 2.5)
+        assert deliver() == ("accepted", "accepted")
+        assert registry.get_sample_value("grid_operator_publisher_epoch_clock_resets_total") == 1.0
+        nursery.cancel_scope.cancel()
+    assert (tmp_path / "state" / "publisher_epoch").read_text() == f"{WALL_ORIGIN + int(origin) + 1}\n"

@@ -1,10 +1,12 @@
 """The operator's per-provider pipeline: one scrape in, one Batch out. Pure: time comes in.
 
 scrape body -> parse (WANTED_SAMPLES only) -> derive load -> latency window -> readiness
-verdict -> Batch. Only a *qualified* batch (the scrape succeeded, was not cut at the body
-cap, and parsed) carries revision metadata and takes the next sequence number (spec:
-Provider revisions; DESIGN 5b). A failed scrape still publishes the readiness verdict, in
-a batch without revision metadata: receivers use it for readiness but never learn from it.
+verdict -> Batch. Every batch takes the next sequence number of the operator's epoch. Only
+a *qualified* batch (the scrape succeeded, was not cut at the body cap, and parsed) carries
+revision metadata (spec: Provider revisions; DESIGN 5b). A failed scrape still publishes
+the readiness verdict, in a batch without revision metadata but with its (epoch, sequence)
+as ``order``: receivers order it like any other batch and use it for readiness, but never
+learn from it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from gridd.core.admission import validate_payload
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import ReadinessTracker, Verdict
-from gridd.core.readings import LatencyBlock, LoadSignals, Revision
+from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
 from gridd.core.signals import WANTED_SAMPLES, derive_load, sample_count
 from gridd.wire import Batch
 
@@ -140,10 +142,14 @@ class ProviderPublisher:
             summary.last_failure_class, summary.last_failure_detail = None, ""
         verdict = self.readiness.verdict(now, stale_after_s=stale_after_s, unavailable=unavailable)
         self.last_verdict = verdict
-        # Receivers order batches without revision metadata by published_ms: it never goes
-        # backwards for a provider, even if the wall clock steps back.
+        # Never backwards for a provider within a process, even if the wall clock steps
+        # back (older receivers order revision-less batches by it). Receivers of this
+        # version order every batch by (publisher_epoch, batch_sequence) instead, which a
+        # restart under a clock set back cannot lower: every batch takes the next sequence
+        # number, and the one without a revision carries it as its order.
         published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
         self._last_published_ms = published_ms
+        sequence = self._next_sequence()
         batch = Batch(
             site=self.site,
             provider=self.provider,
@@ -153,12 +159,13 @@ class ProviderPublisher:
             ready=verdict.ready,
             ready_reason=verdict.reason,
             probes=dict(self.probes),
+            order=BatchOrder(self.publisher_epoch, sequence),
         )
         if load is None:
             return batch
-        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, self._next_sequence(),
-                            sample_count(load))
-        full = msgspec.structs.replace(batch, revision=revision, complete=True, load=load, latency=latency)
+        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence, sample_count(load))
+        full = msgspec.structs.replace(batch, revision=revision, order=None, complete=True, load=load,
+                                       latency=latency)
         problem = validate_payload(full)
         if problem is not None:
             # Values receivers would reject (a negative queue, KV above 1): publish the

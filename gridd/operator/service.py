@@ -11,7 +11,6 @@ import itertools
 import logging
 import random
 import ssl
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
@@ -24,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
+from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
@@ -46,7 +46,7 @@ from gridd.operator.signals import (
 )
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
-from gridd.state import ProviderRevision, StateDir, plan_revisions, write_durably
+from gridd.state import EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
 
@@ -83,7 +83,7 @@ class OperatorService:
         loaded: LoadedConfig,
         registry: CollectorRegistry,
         *,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] = wall_clock,
         client: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
         open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PeerLink]] | None = None,
@@ -104,6 +104,13 @@ class OperatorService:
         self.revisions: dict[str, ProviderRevision] = {}
         self._providers_by_name: dict[str, ProviderConfig] = {}
         self.publisher_epoch: int | None = None
+        self._epoch_lock = trio.Lock()
+        self._epoch_claim_failing = False
+        self._epoch_clock_resets = Counter(
+            "grid_operator_publisher_epoch_clock_resets",
+            "Publisher epochs restarted from the wall clock because the previous one was more than "
+            "future_epoch_bound_s ahead of it (a clock that ran ahead and was corrected).",
+            registry=registry)
         # One sequence for every batch this operator publishes in its epoch: strictly
         # increasing per provider even across a delete and re-create (see publication.py).
         self._sequence = itertools.count(1)
@@ -191,7 +198,9 @@ class OperatorService:
         check_api_exposure(self.config)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
-        self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
+        claim = await trio.to_thread.run_sync(partial(
+            self.state.claim_publisher_epoch, self.wall(), future_bound_s=self.config.timings.future_epoch_bound_s))
+        self._adopt_epoch(claim)
         self.revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
         self._apply_providers(self.revisions)
         await self.load_gateway_evidence()
@@ -317,7 +326,44 @@ class OperatorService:
         return publisher.current_verdict(trio.current_time(), stale_after_s=self._stale_after_s(),
                                          unavailable=provider is not None and provider.unavailable)
 
-    def _on_scrape(self, result: ScrapeResult) -> None:
+    # -- publisher epoch -------------------------------------------------------------------
+
+    def _adopt_epoch(self, claim: EpochClaim) -> None:
+        self.publisher_epoch = claim.epoch
+        for publisher in self.publishers.values():
+            publisher.publisher_epoch = claim.epoch
+        if claim.discarded is not None:
+            self._epoch_clock_resets.inc()
+            log.warning("publisher epoch %d was %d s ahead of the wall clock, beyond the %g s skew bound "
+                        "receivers apply: restarted the epoch from the clock at %d", claim.discarded,
+                        claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s, claim.epoch)
+
+    def _epoch_beyond_clock(self) -> bool:
+        epoch = self.publisher_epoch
+        return epoch is not None and epoch > self.wall() + self.config.timings.future_epoch_bound_s
+
+    async def _reclaim_epoch(self) -> None:
+        """The wall clock stepped back while running, so far that every receiver whose clock
+        agrees drops this epoch as skew: claim a new one from the clock (durably, before
+        anything is published under it) instead of publishing into a lock-out."""
+        async with self._epoch_lock:
+            if not self._epoch_beyond_clock():
+                return  # claimed meanwhile, for another provider's result
+            try:
+                claim = await self._state_io(partial(
+                    self.state.claim_publisher_epoch, self.wall(),
+                    future_bound_s=self.config.timings.future_epoch_bound_s))
+            except StateError as exc:
+                if not self._epoch_claim_failing:
+                    log.error("publisher epoch is beyond the skew bound, but a new one cannot be claimed: %s", exc)
+                self._epoch_claim_failing = True
+                return
+            self._epoch_claim_failing = False
+            self._adopt_epoch(claim)
+
+    async def _on_scrape(self, result: ScrapeResult) -> None:
+        if self._epoch_beyond_clock():
+            await self._reclaim_epoch()
         publisher = self.publishers.get(result.provider)
         provider = self._providers_by_name.get(result.provider)
         if publisher is None or provider is None:
