@@ -2,11 +2,17 @@
 
 - One of two providers hangs: the other's grid_provider_ready stays 1 at every /metrics
   scrape, and the hung one goes 0 once the readiness floor has passed.
+- Clock steps and restarts, with operator a's wall clock shifted through gridd's own seam
+  (GRIDD_WALL_CLOCK_OFFSET_S; the machine's clock is untouched) and peer b polling it over
+  mutual TLS: an epoch claimed an hour ahead does not lock a out once its clock is right,
+  and after a restart with the clock set back a's not-ready verdict still reaches b.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -81,6 +87,110 @@ def test_a_hung_provider_goes_not_ready_and_never_takes_the_healthy_one_with_it(
         for name in ("a", "sim-healthy", "sim-hung"):
             if (tmp_path / f"{name}.log").exists():
                 print(f"--- {name}.log\n{procs.log(name)[-3000:]}")
+        raise
+    finally:
+        procs.stop_all()
+
+
+PEERED = """
+role: operator
+site: {site}
+trust_domain: grid.local
+tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
+listen: {{metrics: "127.0.0.1:{metrics}", signals: "127.0.0.1:{signals}"}}
+control_socket: run/{site}.sock
+state_dir: state/{site}
+drain_grace_s: 2
+providers:
+{providers}
+peers:
+  - {{site: {peer}, url: "wss://127.0.0.1:{peer_signals}/signals"}}
+timings: {{peer_poll_interval_s: 1, peer_poll_budget_s: 2, stale_metrics_s: 1}}
+"""
+
+
+def certs(directory) -> None:
+    for args in (["init"], ["issue", "--site", "a", "--role", "operator"], ["issue", "--site", "b", "--role", "operator"]):
+        done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0], str(directory / "certs"), *args[1:]],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+
+def series(text: str, family: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    found = []
+    for m in re.finditer(rf"^{family}(?:\{{([^}}]*)\}})? (\S+)", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            found.append((have, float(m.group(2))))
+    return found
+
+
+def a_epoch_at_b(text: str) -> int | None:
+    found = series(text, "grid_provider_config_generation", grid_site="a")
+    return int(found[0][0]["publisher_epoch"]) if found else None
+
+
+def a_ready_at_b(text: str) -> float | None:
+    found = series(text, "grid_provider_ready", grid_site="a")
+    return found[0][1] if found else None
+
+
+def test_clock_steps_and_restarts_never_lock_a_site_out(tmp_path):
+    certs(tmp_path)
+    ports = dict(zip(("met-a", "sig-a", "met-b", "sig-b"), free_ports(4), strict=True))
+    procs = Processes(tmp_path)
+
+    def metrics(site: str) -> str:
+        return httpx.get(f"http://127.0.0.1:{ports[f'met-{site}']}/metrics", timeout=2).text
+
+    try:
+        procs.start("sim-a", "sim", "--port", "0")
+        sim = procs.sim_url("sim-a")
+        for site, peer in (("a", "b"), ("b", "a")):
+            providers = (f'  - {{name: pa, model: sim-model, settings: {{endpoint: "{sim}/v1"}}, '
+                         f'metrics: {{url: "{sim}/metrics", timeout_s: 2}}}}') if site == "a" else "  []"
+            (tmp_path / f"{site}.yaml").write_text(PEERED.format(
+                site=site, peer=peer, metrics=ports[f"met-{site}"], signals=ports[f"sig-{site}"],
+                peer_signals=ports[f"sig-{peer}"], providers=providers))
+        procs.start("b", "run", "--config", "b.yaml")
+
+        # 1. a's clock runs an hour ahead: it claims an epoch 3600 s ahead, which b (right
+        #    clock, 600 s bound) drops as skew.
+        procs.start("a", "run", "--config", "a.yaml", env={"GRIDD_WALL_CLOCK_OFFSET_S": "3600"})
+        wait_until(lambda: series(metrics("b"), "grid_signals_ingest_dropped_total", reason="skew")[0][1] >= 1,
+                   "b to drop a's future epoch as skew")
+        assert a_epoch_at_b(metrics("b")) is None
+        assert procs.stop("a") == 0
+        future_epoch = int((tmp_path / "state" / "a" / "publisher_epoch").read_text())
+        assert future_epoch >= time.time() + 3500
+
+        # 2. The clock is corrected and a restarts: the high-water mark is beyond the bound,
+        #    so the epoch restarts from the clock, and b admits a again at once (claiming
+        #    above the mark kept a out for about 50 minutes).
+        procs.start("a", "run", "--config", "a.yaml")
+        epoch = wait_until(lambda: a_epoch_at_b(metrics("b")), "b to admit a after its clock was corrected")
+        assert abs(epoch - time.time()) < 60 and epoch < future_epoch
+        assert a_ready_at_b(metrics("b")) == 1.0
+        assert series(metrics("a"), "grid_operator_publisher_epoch_clock_resets_total")[0][1] == 1.0
+        assert re.search(r"^<4>gridd\.operator: publisher epoch \d+ was \d+ s ahead of the wall clock", procs.log("a"),
+                         re.M)
+        assert procs.stop("a") == 0
+
+        # 3. a restarts with its clock 4 min back (within the skew bound, so the epoch is the
+        #    high-water mark + 1), and its provider hangs: the not-ready verdict travels in
+        #    verdict-only batches whose published_ms is 4 min behind what b last admitted.
+        #    Ordered by (epoch, sequence) they are admitted, and b shows a not ready.
+        procs.start("a", "run", "--config", "a.yaml", env={"GRIDD_WALL_CLOCK_OFFSET_S": "-240"})
+        wait_until(lambda: a_epoch_at_b(metrics("b")) == epoch + 1, "b to admit a's next epoch")
+        assert httpx.post(f"{sim}/admin", json={"metrics_hang": True}, timeout=2).status_code == 200
+        wait_until(lambda: a_ready_at_b(metrics("b")) == 0.0, "b to show a not ready", deadline_s=20)
+        assert series(metrics("a"), "grid_provider_ready", grid_site="a")[0][1] == 0.0
+        stale = series(metrics("b"), "grid_signals_ingest_dropped_total", reason="stale_order")
+        assert stale[0][1] == 0.0
+    except BaseException:
+        for name in ("a", "b", "sim-a"):
+            if (tmp_path / f"{name}.log").exists():
+                print(f"--- {name}.log\n{procs.log(name)[-4000:]}")
         raise
     finally:
         procs.stop_all()
