@@ -334,3 +334,111 @@ async def test_a_clock_corrected_while_running_restarts_the_epoch_and_receivers_
         assert registry.get_sample_value("grid_operator_publisher_epoch_clock_resets_total") == 1.0
         nursery.cancel_scope.cancel()
     assert (tmp_path / "state" / "publisher_epoch").read_text() == f"{WALL_ORIGIN + int(origin) + 1}\n"
+
+
+# -- metrics.kind ------------------------------------------------------------------------------
+
+VLLM_BODY = (b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+             b'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+             b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
+
+
+def _kind_publisher(kind: str):
+    from gridd.core.publication import ProviderPublisher
+
+    return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1, publisher_epoch=7,
+                             created_at=0.0, next_sequence=iter(range(1, 100)).__next__, kind=kind)
+
+
+def _scrape(pub, body: bytes, now: float = 1.0):
+    return pub.on_scrape(now=now, wall_now=1000.0 + now, body=body, failure_class=None, stale_after_s=2.0,
+                         unavailable=False)
+
+
+def test_metrics_kind_refuses_a_body_of_the_other_flavour():
+    epp = _kind_publisher("epp")
+    batch = _scrape(epp, VLLM_BODY)
+    assert batch.revision is None and batch.load is None
+    assert epp.summary.failures == {"wrong_kind": 1}
+    assert epp.summary.last_failure_detail == (
+        "metrics.kind is epp but the body is a vLLM engine's (vllm:* series, no EPP pool series)")
+    assert epp.readiness.verdict(1.0, stale_after_s=2.0, unavailable=False).failure_class == "wrong_kind"
+    assert _scrape(epp, EPP_BODY, now=2.0).load.ready_endpoints == 2
+
+    vllm = _kind_publisher("vllm")
+    assert _scrape(vllm, EPP_BODY).load is None
+    assert vllm.summary.last_failure_detail == (
+        "metrics.kind is vllm but the body is an EPP's (pool series, no vllm:* series)")
+    # A body carrying both flavours is read as the configured one.
+    both = _scrape(vllm, EPP_BODY + VLLM_BODY, now=2.0)
+    assert both.load.ready_endpoints is None and [u.unit for u in both.load.units] == ["0"]
+    assert _scrape(_kind_publisher("epp"), EPP_BODY + VLLM_BODY).load.ready_endpoints == 2
+    # auto tells them apart; a body with neither flavour derives nothing under any kind.
+    assert _scrape(_kind_publisher("auto"), VLLM_BODY).load.units[0].running == 3.0
+    for kind in ("auto", "epp", "vllm"):
+        pub = _kind_publisher(kind)
+        standby = _scrape(pub, b'llm_d_epp_info{build_ref="v0.9.0"} 1\n')
+        assert standby.ready_reason == "NoReadySeries" and pub.summary.failures == {}
+
+
+async def test_metrics_kind_in_the_daemon_fails_scrapes_and_turns_not_ready(tmp_path, autojump_clock):
+    rig = TwoRig(tmp_path, extra=", kind: vllm")  # "hung" is pointed at an EPP simulator
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 0.5)
+        assert rig.registry.get_sample_value("grid_provider_scrape_failures_total",
+                                             {"grid_site": "a", "grid_provider": "hung", "reason": "wrong_kind"}) == 1
+        assert rig.operator.status()["providers"][1]["failure_class"] == "wrong_kind"
+        # Never answered: not ready once the 2 s floor has passed since scraping started.
+        await trio.sleep_until(origin + 2.5)
+        assert rig.sample("grid_provider_ready", "hung") == 0.0
+        assert rig.sample("grid_provider_ready", "healthy") == 1.0
+        nursery.cancel_scope.cancel()
+
+
+# -- latency per model -------------------------------------------------------------------------
+
+
+def _two_model_body(ours: int, theirs: int, adapter: int = 0, errors: int = 0) -> bytes:
+    lines = [
+        'llm_d_epp_ready_endpoints{name="p"} 1',
+        f'llm_d_epp_request_duration_seconds_count{{fairness_id="f",model_name="m",priority="0",'
+        f'target_model_name="m"}} {ours}',
+        f'llm_d_epp_request_duration_seconds_count{{fairness_id="f",model_name="other",priority="0",'
+        f'target_model_name="other"}} {theirs}',
+        f'llm_d_epp_request_duration_seconds_count{{fairness_id="f",model_name="m-lora",priority="0",'
+        f'target_model_name="m"}} {adapter}',
+        f'llm_d_epp_request_error_total{{error_code="ModelServerError",fairness_id="f",model_name="other",'
+        f'priority="0",target_model_name="other"}} {errors}',
+    ]
+    for le, ours_le, theirs_le in (("0.1", 0, theirs), ("1", ours, theirs), ("+Inf", ours, theirs)):
+        for model, count in (("m", ours_le), ("other", theirs_le)):
+            lines.append(f'llm_d_epp_request_ttft_seconds_bucket{{fairness_id="f",model_name="{model}",'
+                         f'priority="0",streaming="true",target_model_name="{model}",le="{le}"}} {count}')
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_latency_counts_only_the_providers_model_and_its_adapters():
+    from gridd.core.publication import ProviderPublisher
+
+    def publisher(adapters=()):
+        return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                                 publisher_epoch=7, created_at=0.0, next_sequence=iter(range(1, 100)).__next__,
+                                 adapters=adapters)
+
+    pub = publisher()
+    assert _scrape(pub, _two_model_body(ours=0, theirs=0)).latency is None
+    # 19 of ours (one short of 20) beside 500 of another model's, 50 of them failed.
+    assert _scrape(pub, _two_model_body(ours=19, theirs=500, errors=50), now=2.0).latency is None
+    block = _scrape(pub, _two_model_body(ours=20, theirs=900, errors=90), now=3.0).latency
+    # Only our 20: all successes, TTFT in the 0.1..1 s bucket; the other model's errors
+    # and its sub-100 ms TTFTs are not ours.
+    assert (block.completed, block.error_ratio) == (20, 0.0)
+    # Interpolated in the (0.1, 1] bucket holding all 20: rank 10 and rank 18 of 20.
+    assert block.ttft_p50_s == 0.1 + (1 - 0.1) * 10 / 20
+    assert block.ttft_p90_s == 0.1 + (1 - 0.1) * 18 / 20
+
+    with_adapter = publisher(adapters=("m-lora",))
+    _scrape(with_adapter, _two_model_body(ours=0, theirs=0))
+    assert _scrape(with_adapter, _two_model_body(ours=10, theirs=500, adapter=10), now=2.0).latency.completed == 20

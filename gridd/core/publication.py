@@ -20,7 +20,7 @@ from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import ReadinessTracker, Verdict
 from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
-from gridd.core.signals import WANTED_SAMPLES, derive_load, sample_count
+from gridd.core.signals import WANTED_SAMPLES, derive_load, kind_mismatch, sample_count
 from gridd.wire import Batch
 
 MAX_EXPOSITION_LINES = 50_000
@@ -60,6 +60,8 @@ class ProviderPublisher:
         next_sequence: Callable[[], int],
         pool: str | None = None,
         queue_full_at: float | None = None,
+        kind: str = "auto",
+        adapters: tuple[str, ...] = (),
         latency_window_s: float = 30.0,
         latency_min_completed: int = 20,
         engine_answer_window_s: float = 30.0,
@@ -72,13 +74,15 @@ class ProviderPublisher:
         self.publisher_epoch = publisher_epoch
         self.pool = pool
         self.queue_full_at = queue_full_at
+        self.kind = kind
+        self.adapters = adapters
         # Receivers fence per (site, provider) on (publisher_epoch, batch_sequence), so a
         # provider's sequence must keep rising within an epoch even across a delete and
         # re-create under the same name (a new uid): the operator hands out one counter.
         self._next_sequence = next_sequence
         self.sequence = 0
         self.readiness = ReadinessTracker(created_at=created_at, engine_answer_window_s=engine_answer_window_s)
-        self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
+        self.latency = self._latency_window(latency_window_s, latency_min_completed)
         self.summary = ScrapeSummary()
         self.last_load: LoadSignals | None = None
         self.last_latency: LatencyBlock | None = None
@@ -86,21 +90,30 @@ class ProviderPublisher:
         self.probes: dict[str, float] = {}
         self._last_published_ms = 0
 
+    def _latency_window(self, window_s: float, min_completed: int) -> LatencyWindow:
+        # Spec: latency is "never borrowed": only the rows of this provider's model and its
+        # configured adapters count, out of everything one EPP serves.
+        return LatencyWindow(window_s=window_s, min_completed=min_completed, kind=self.kind,
+                             models=frozenset((self.model, *self.adapters)))
+
     def retune(self, *, latency_window_s: float, latency_min_completed: int, engine_answer_window_s: float) -> None:
         """A committed reload's windows: readiness history kept; the latency window starts
         over when its length or threshold changed (its baseline meant the old window)."""
         self.readiness.retune(engine_answer_window_s=engine_answer_window_s)
         if (latency_window_s, latency_min_completed) != (self.latency.window_s, self.latency.min_completed):
-            self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
+            self.latency = self._latency_window(latency_window_s, latency_min_completed)
 
     def reconfigure(self, *, model: str, provider_uid: str, generation: int, pool: str | None,
-                    queue_full_at: float | None) -> None:
+                    queue_full_at: float | None, kind: str = "auto", adapters: tuple[str, ...] = ()) -> None:
         """A committed reload. A new uid (delete + re-create) restarts the latency window and
-        readiness history with the object; a new generation keeps them (same provider)."""
-        if provider_uid != self.provider_uid:
-            self.latency = LatencyWindow(window_s=self.latency.window_s, min_completed=self.latency.min_completed)
+        readiness history with the object; a new generation keeps them (same provider),
+        unless what the window reads changed (model, adapters, kind)."""
+        restart_latency = (provider_uid != self.provider_uid
+                           or (model, kind, adapters) != (self.model, self.kind, self.adapters))
         self.model, self.provider_uid, self.generation = model, provider_uid, generation
-        self.pool, self.queue_full_at = pool, queue_full_at
+        self.pool, self.queue_full_at, self.kind, self.adapters = pool, queue_full_at, kind, adapters
+        if restart_latency:
+            self.latency = self._latency_window(self.latency.window_s, self.latency.min_completed)
 
     def on_scrape(
         self,
@@ -125,11 +138,16 @@ class ProviderPublisher:
         if failure_class is None and body is not None:
             expo = parse_exposition(body, WANTED_SAMPLES)
             summary.malformed_lines += expo.malformed_lines
+            mismatch = kind_mismatch(expo, self.kind)
             if expo.malformed_lines and not expo.samples:
                 # Nothing usable came out of a body that did not parse: a failed scrape.
                 failure_class, failure_detail = "parse", f"{expo.malformed_lines} malformed lines, no samples"
+            elif mismatch is not None:
+                # metrics.kind names what the URL serves; a body of the other flavour is a
+                # misconfiguration (or the wrong URL), not a reading of this provider.
+                failure_class, failure_detail = "wrong_kind", mismatch
             else:
-                load = derive_load(expo, pool=self.pool, queue_full_at=self.queue_full_at)
+                load = derive_load(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind)
                 latency = self.latency.observe(now, expo)
                 self.readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
                                          engine_answered=self.latency.answered_on_last_observe)

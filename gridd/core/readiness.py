@@ -33,7 +33,8 @@ __all__ = [
     "readiness_floor_s",
 ]
 
-FAILURE_CLASSES: frozenset[str] = frozenset({"timeout", "connect", "tls", "http_status", "body_cap", "parse"})
+FAILURE_CLASSES: frozenset[str] = frozenset({"timeout", "connect", "tls", "http_status", "body_cap", "parse",
+                                             "wrong_kind"})
 
 DEFAULT_SIGNAL_TTL_S = 20.0
 # "staleMetricsSeconds (half the signal TTL when unset)": 20 s / 2.

@@ -25,6 +25,7 @@ __all__ = [
     "WANTED_SAMPLES",
     "LOAD_SAMPLES",
     "derive_load",
+    "kind_mismatch",
     "legacy_sample_count",
     "pool_names",
     "sample_count",
@@ -102,9 +103,30 @@ def pool_names(expo: Exposition) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def kind_mismatch(expo: Exposition, kind: str) -> str | None:
+    """Why a body is not of the configured metrics.kind, or None when it fits.
+
+    "epp" needs the EPP's pool series and "vllm" the engine's vllm:* series; a body
+    carrying only the other flavour's is refused. A body with neither (a standby EPP
+    replica) fits any kind: it derives nothing, and readiness stays unknown. "auto"
+    accepts everything.
+    """
+    has_epp, has_vllm = bool(pool_names(expo)), _has_vllm_series(expo)
+    if kind == "epp" and not has_epp and has_vllm:
+        return "metrics.kind is epp but the body is a vLLM engine's (vllm:* series, no EPP pool series)"
+    if kind == "vllm" and not has_vllm and has_epp:
+        return "metrics.kind is vllm but the body is an EPP's (pool series, no vllm:* series)"
+    return None
+
+
 def derive_load(expo: Exposition, *, pool: str | None = None,
-                queue_full_at: float | None = None) -> LoadSignals:
+                queue_full_at: float | None = None, kind: str = "auto") -> LoadSignals:
     """Derive one provider's LoadSignals from one exposition (one instant).
+
+    kind: the provider's metrics.kind. "epp" reads only the EPP families, "vllm" only the
+        engine's; "auto" tells them apart (EPP pool series first). A body without the
+        named flavour's series derives nothing (the caller refuses one of the other
+        flavour first: see kind_mismatch).
 
     pool: the InferencePool name (the ``name`` label). None picks the only pool the
         exposition reports; with several pools and no name the reading is ambiguous and
@@ -113,6 +135,8 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
     queue_full_at: a unit whose waiting count is at or above this is queue-full
         (shedding's "queue_full per serving unit"); None counts no unit as full.
     """
+    if kind == "vllm":
+        return _derive_vllm(expo, queue_full_at) if _has_vllm_series(expo) else LoadSignals()
     pools = pool_names(expo)
     if pools:
         if pool is None:
@@ -122,9 +146,14 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
         if pool not in pools:
             return LoadSignals()
         return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at)
-    if any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV)):
+    if kind == "auto" and _has_vllm_series(expo):
         return _derive_vllm(expo, queue_full_at)
     return LoadSignals()
+
+
+def _has_vllm_series(expo: Exposition) -> bool:
+    """Whether the exposition carries any vLLM engine load series."""
+    return any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
 
 
 def sample_count(load: LoadSignals) -> int:

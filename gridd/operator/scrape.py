@@ -21,6 +21,8 @@ import trio
 
 log = logging.getLogger("gridd.scrape")
 
+# What a scrape itself can fail with; the publisher adds "wrong_kind" (a body not of the
+# configured metrics.kind; gridd.core.readiness.FAILURE_CLASSES has every class).
 FAILURE_CLASSES = ("timeout", "connect", "tls", "http_status", "body_cap", "parse")
 
 

@@ -395,19 +395,23 @@ class OperatorService:
         t = cfg.timings
         for provider in cfg.providers:
             rev = revisions[provider.name]
-            pool = provider.metrics.pool if provider.metrics else None
-            queue_full_at = provider.metrics.queue_full_at if provider.metrics else None
+            source = provider.metrics
+            pool = source.pool if source else None
+            queue_full_at = source.queue_full_at if source else None
+            kind = source.kind if source else "auto"
+            adapters = tuple(source.adapters) if source else ()
             existing = self.publishers.get(provider.name)
             if existing is None:
                 self.publishers[provider.name] = ProviderPublisher(
                     site=cfg.site, provider=provider.name, model=provider.model, provider_uid=rev.uid,
                     generation=rev.generation, publisher_epoch=self.publisher_epoch or 0, created_at=now,
-                    next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, latency_window_s=t.latency_window_s,
+                    next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, kind=kind,
+                    adapters=adapters, latency_window_s=t.latency_window_s,
                     latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
                 )
             else:
                 existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
-                                     pool=pool, queue_full_at=queue_full_at)
+                                     pool=pool, queue_full_at=queue_full_at, kind=kind, adapters=adapters)
                 existing.retune(latency_window_s=t.latency_window_s, latency_min_completed=t.latency_min_completed,
                                 engine_answer_window_s=t.engine_answer_window_s)
 
