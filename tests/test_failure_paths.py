@@ -442,3 +442,104 @@ def test_latency_counts_only_the_providers_model_and_its_adapters():
     with_adapter = publisher(adapters=("m-lora",))
     _scrape(with_adapter, _two_model_body(ours=0, theirs=0))
     assert _scrape(with_adapter, _two_model_body(ours=10, theirs=500, adapter=10), now=2.0).latency.completed == 20
+
+
+# -- one bad field -----------------------------------------------------------------------------
+
+VLLM_KV_PERCENT = (b'vllm:num_requests_running{engine="0",model_name="sim-model"} 3.0\n'
+                   b'vllm:num_requests_running{engine="1",model_name="sim-model"} 2.0\n'
+                   b'vllm:num_requests_waiting{engine="0",model_name="sim-model"} 1.0\n'
+                   b'vllm:num_requests_waiting{engine="1",model_name="sim-model"} 0.0\n'
+                   b'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 87.5\n'
+                   b'vllm:kv_cache_usage_perc{engine="1",model_name="sim-model"} 40.0\n')
+
+
+def test_one_bad_field_is_left_out_and_the_rest_published():
+    from gridd.core.admission import validate_payload
+    from gridd.core.signals import derive
+
+    derived = derive(_parse(VLLM_KV_PERCENT))
+    load = derived.load
+    assert derived.invalid == {
+        "kv_usage": "vllm:kv_cache_usage_perc=87.5 is outside 0..1",
+        "kv_mean": "left out with kv_usage (computed from every engine's value)",
+        "kv_spread": "left out with kv_usage (computed from every engine's value)",
+    }
+    assert [(u.unit, u.running, u.waiting, u.kv_usage) for u in load.units] == [("0", 3.0, 1.0, None),
+                                                                              ("1", 2.0, 0.0, None)]
+    assert (load.in_flight, load.avg_running, load.avg_waiting) == (6.0, 2.5, 0.5)
+    assert (load.kv_mean, load.kv_spread) == (None, None)
+
+    # EPP: a KV mean on a 0-100 scale takes its spread with it; a negative waiting count
+    # leaves the endpoint listed without it; everything else stays.
+    body = EPP_BODY.replace(b'kv_cache_utilization{name="p"} 0.2', b'kv_cache_utilization{name="p"} 20') + (
+        b'llm_d_epp_std_dev_kv_cache_utilization{name="p"} 0.05\n'
+        b'llm_d_epp_per_endpoint_queue_size{name="p",model_server_endpoint="e1"} -2\n')
+    derived = derive(_parse(body))
+    assert derived.invalid == {
+        "kv_mean": "llm_d_epp_average_kv_cache_utilization=20 is outside 0..1",
+        "kv_spread": "left out with kv_mean (the same endpoints' values)",
+        "waiting": "llm_d_epp_per_endpoint_queue_size=-2 is negative",
+    }
+    assert [(u.unit, u.waiting) for u in derived.load.units] == [("e0", 0.0), ("e1", None)]
+    assert (derived.load.in_flight, derived.load.ready_endpoints) == (2.0, 2)  # (1 + 0) x 2
+
+    pub = _publisher(7, iter(range(1, 99)))
+    batch = pub.on_scrape(now=1.0, wall_now=1000.0, body=body, failure_class=None, stale_after_s=2.0,
+                          unavailable=False)
+    assert batch.complete and validate_payload(batch) is None and batch.load.in_flight == 2.0
+    assert pub.summary.unpublishable == {"kv_mean": 1, "kv_spread": 1, "waiting": 1}
+
+
+def _parse(body: bytes):
+    from gridd.core.exposition import parse_exposition
+    from gridd.core.signals import WANTED_SAMPLES
+
+    return parse_exposition(body, WANTED_SAMPLES)
+
+
+async def test_a_kv_percent_vllm_keeps_in_flight_and_says_why_once(tmp_path, autojump_clock, caplog):
+    import logging
+
+    from gridd.cli import _provider_row
+
+    body = {"value": VLLM_KV_PERCENT}
+    (tmp_path / "operator.yaml").write_text(TWO_PROVIDERS.format(extra=""))
+    sim = SimApp(knobs_from({"endpoints": 2}))
+    client = httpx.AsyncClient(mounts={
+        "http://healthy": httpx.ASGITransport(app=sim),
+        "http://hung": httpx.MockTransport(lambda request: httpx.Response(200, content=body["value"]))})
+    registry = CollectorRegistry()
+    operator = OperatorService(load_config(tmp_path / "operator.yaml", env={}), registry, client=client,
+                               wall=lambda: WALL_ORIGIN + trio.current_time())
+
+    def sample(name: str, **labels):
+        return registry.get_sample_value(name, {"grid_site": "a", "grid_provider": "hung", **labels})
+
+    caplog.set_level(logging.INFO, logger="gridd.operator")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 2.5)  # scrapes at +0, +1, +2
+        assert sample("grid_provider_in_flight_requests") == 6.0
+        assert sample("grid_provider_unpublishable_readings_total", reason="kv_usage") == 3.0
+        assert sample("grid_provider_unpublishable_readings_total", reason="kv_mean") == 3.0
+        assert sample("grid_provider_unpublishable_readings_total", reason="payload") is None
+        held = operator.holdings.get("a", "hung").batch
+        assert held.complete and held.load.kv_mean is None and held.load.units[0].running == 3.0
+        row = next(p for p in operator.status()["providers"] if p["name"] == "hung")
+        assert row["in_flight"] == 6.0 and row["kv_mean"] is None
+        assert _provider_row(row)[-1] == "invalid:kv_usage,kv_mean,kv_spread"
+        body["value"] = VLLM_KV_PERCENT.replace(b"87.5", b"0.875").replace(b"40.0", b"0.4")
+        await trio.sleep_until(origin + 4.5)
+        assert sample("grid_provider_unpublishable_readings_total", reason="kv_usage") == 3.0
+        assert operator.holdings.get("a", "hung").batch.load.kv_mean == (0.875 + 0.4) / 2
+        assert _provider_row(next(p for p in operator.status()["providers"] if p["name"] == "hung"))[-1] == "-"
+        nursery.cancel_scope.cancel()
+    lines = [r.getMessage() for r in caplog.records if "hung" in r.getMessage()]
+    assert lines == [
+        "provider hung: reading published without kv_usage, kv_mean, kv_spread: kv_usage: "
+        "vllm:kv_cache_usage_perc=87.5 is outside 0..1; kv_mean: left out with kv_usage (computed from every "
+        "engine's value); kv_spread: left out with kv_usage (computed from every engine's value)",
+        "provider hung: every field of the reading is valid again",
+    ]

@@ -16,6 +16,8 @@ scrape, and differences the newest against a baseline inside the window:
 
 Sources (docs/signals.md, "Latency"):
 
+- EPP rows count only for the provider's own model (and configured adapters): the
+  ``model_name`` label must be one of ``models`` ("never borrowed"; docs/signals.md).
 - EPP: successes = sum of llm_d_epp_request_duration_seconds_count (recorded only for
   successful requests; legacy inference_objective_request_duration_seconds_count when the
   canonical family is absent). failures = sum of llm_d_epp_request_error_total over

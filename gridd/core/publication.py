@@ -20,7 +20,7 @@ from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import ReadinessTracker, Verdict
 from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
-from gridd.core.signals import WANTED_SAMPLES, derive_load, kind_mismatch, sample_count
+from gridd.core.signals import WANTED_SAMPLES, derive, kind_mismatch, sample_count
 from gridd.wire import Batch
 
 MAX_EXPOSITION_LINES = 50_000
@@ -32,14 +32,18 @@ lines cost the parser ~40 ms on the event loop, the most a scrape may take there
 class ScrapeSummary:
     """What gridctl and the exporter show about a provider's scraping."""
 
-    __slots__ = ("scrapes", "failures", "malformed_lines", "invalid_payloads", "last_success_at",
+    __slots__ = ("scrapes", "failures", "malformed_lines", "unpublishable", "invalid_fields", "last_success_at",
                  "last_failure_class", "last_failure_detail", "last_scrape_at")
 
     def __init__(self) -> None:
         self.scrapes = 0
         self.failures: dict[str, int] = {}
         self.malformed_lines = 0
-        self.invalid_payloads = 0
+        # Readings with something receivers would reject, by reason: a field name (that
+        # field was published as absent) or "payload" (the verdict travelled alone).
+        self.unpublishable: dict[str, int] = {}
+        # The latest successful scrape's fields left out: field -> why.
+        self.invalid_fields: dict[str, str] = {}
         self.last_success_at: float | None = None
         self.last_scrape_at: float | None = None
         self.last_failure_class: str | None = None
@@ -89,6 +93,9 @@ class ProviderPublisher:
         self.last_verdict: Verdict | None = None
         self.probes: dict[str, float] = {}
         self._last_published_ms = 0
+        # Whether the latest successful scrape left out a different set of fields than the
+        # one before (summary.invalid_fields): the operator logs it.
+        self.invalid_fields_changed = False
 
     def _latency_window(self, window_s: float, min_completed: int) -> LatencyWindow:
         # Spec: latency is "never borrowed": only the rows of this provider's model and its
@@ -129,6 +136,7 @@ class ProviderPublisher:
         summary = self.summary
         summary.scrapes += 1
         summary.last_scrape_at = now
+        self.invalid_fields_changed = False
         load: LoadSignals | None = None
         latency: LatencyBlock | None = None
         if failure_class is None and body is not None and body.count(b"\n") > MAX_EXPOSITION_LINES:
@@ -147,7 +155,9 @@ class ProviderPublisher:
                 # misconfiguration (or the wrong URL), not a reading of this provider.
                 failure_class, failure_detail = "wrong_kind", mismatch
             else:
-                load = derive_load(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind)
+                derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind)
+                load = derived.load
+                self._note_invalid_fields(derived.invalid)
                 latency = self.latency.observe(now, expo)
                 self.readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
                                          engine_answered=self.latency.answered_on_last_observe)
@@ -186,14 +196,28 @@ class ProviderPublisher:
                                        latency=latency)
         problem = validate_payload(full)
         if problem is not None:
-            # Values receivers would reject (a negative queue, KV above 1): publish the
-            # verdict alone, so readiness still travels, and count it like a parse drop.
-            summary.invalid_payloads += 1
+            # A backstop: derivation already left out every out-of-range load value, so
+            # this is a payload no field-level rule covers. Publish the verdict alone, so
+            # readiness still travels, and count it.
+            self._count_unpublishable("payload")
             summary.last_failure_detail = f"unpublishable reading: {problem}"
             return batch
         self.sequence = revision.batch_sequence
         self.last_load, self.last_latency = load, latency
         return full
+
+    def _count_unpublishable(self, reason: str) -> None:
+        counts = self.summary.unpublishable
+        counts[reason] = counts.get(reason, 0) + 1
+
+    def _note_invalid_fields(self, invalid: dict[str, str]) -> None:
+        """Count each field left out, and flag a change in which fields are left out, so the
+        operator says why once per transition rather than once per scrape."""
+        for field in invalid:
+            self._count_unpublishable(field)
+        summary = self.summary
+        self.invalid_fields_changed = invalid.keys() != summary.invalid_fields.keys()
+        summary.invalid_fields = invalid
 
     def current_verdict(self, now: float, *, stale_after_s: float, unavailable: bool) -> Verdict:
         """The verdict now, between scrapes (staleness moves with time)."""

@@ -377,8 +377,19 @@ class OperatorService:
             stale_after_s=self._stale_after_s(),
             unavailable=provider.unavailable,
         )
-        if result.failure_class is not None and publisher.summary.failures.get(result.failure_class) == 1:
-            log.warning("provider %s: scrape failed (%s): %s", result.provider, result.failure_class, result.detail)
+        summary = publisher.summary
+        # The scrape's own failure or one the publisher found in the body (parse, wrong_kind).
+        failure = summary.last_failure_class
+        if failure is not None and summary.failures.get(failure) == 1:
+            log.warning("provider %s: scrape failed (%s): %s", result.provider, failure, summary.last_failure_detail)
+        if publisher.invalid_fields_changed:
+            # Once per transition, not per scrape: which fields are left out, and why.
+            if summary.invalid_fields:
+                log.warning("provider %s: reading published without %s: %s", result.provider,
+                            ", ".join(summary.invalid_fields),
+                            "; ".join(f"{field}: {why}" for field, why in summary.invalid_fields.items()))
+            else:
+                log.info("provider %s: every field of the reading is valid again", result.provider)
         self.holdings.hold(batch, result.finished_at)
 
     def _apply_providers(self, revisions: dict[str, ProviderRevision]) -> None:
@@ -508,6 +519,7 @@ class OperatorService:
                 "scrape_age_s": None if s.last_scrape_at is None else round(now - s.last_scrape_at, 3),
                 "failure_class": s.last_failure_class,
                 "failure_detail": s.last_failure_detail,
+                "invalid_fields": dict(s.invalid_fields),
                 "provider_uid": pub.provider_uid,
                 "generation": pub.generation,
                 "batch_sequence": pub.sequence,
