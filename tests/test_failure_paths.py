@@ -536,10 +536,40 @@ async def test_a_kv_percent_vllm_keeps_in_flight_and_says_why_once(tmp_path, aut
         assert operator.holdings.get("a", "hung").batch.load.kv_mean == (0.875 + 0.4) / 2
         assert _provider_row(next(p for p in operator.status()["providers"] if p["name"] == "hung"))[-1] == "-"
         nursery.cancel_scope.cancel()
-    lines = [r.getMessage() for r in caplog.records if "hung" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gridd.operator" and "hung" in r.getMessage()]
     assert lines == [
         "provider hung: reading published without kv_usage, kv_mean, kv_spread: kv_usage: "
         "vllm:kv_cache_usage_perc=87.5 is outside 0..1; kv_mean: left out with kv_usage (computed from every "
         "engine's value); kv_spread: left out with kv_usage (computed from every engine's value)",
         "provider hung: every field of the reading is valid again",
     ]
+
+
+# -- the wall-clock seam ---------------------------------------------------------------------
+
+
+def test_wall_clock_offset_is_read_from_the_environment_and_refused_when_malformed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from gridd.clock import _read_offset
+
+    assert _read_offset(None) == (0.0, None)
+    assert _read_offset(" ") == (0.0, None)
+    assert _read_offset("-3600") == (-3600.0, None)
+    assert _read_offset("1h") == (0.0, "GRIDD_WALL_CLOCK_OFFSET_S='1h': expected a finite number of seconds")
+    assert _read_offset("inf")[1] == "GRIDD_WALL_CLOCK_OFFSET_S='inf': expected a finite number of seconds"
+
+    code = ("import time; from gridd.clock import wall_clock, wall_clock_offset_s; "
+            "print(wall_clock_offset_s(), round(wall_clock() - time.time()))")
+    shifted = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "GRIDD_WALL_CLOCK_OFFSET_S": "-240"})
+    assert shifted.stdout.split() == ["-240.0", "-240"]
+    (tmp_path / "operator.yaml").write_text(TWO_PROVIDERS.format(extra=""))
+    refused = subprocess.run([sys.executable, "-m", "gridd", "run", "--config", str(tmp_path / "operator.yaml")],
+                             capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "GRIDD_WALL_CLOCK_OFFSET_S": "soon"})
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith(
+        "cannot start: GRIDD_WALL_CLOCK_OFFSET_S='soon': expected a finite number of seconds")
