@@ -13,6 +13,24 @@ from pathlib import Path
 
 import httpx
 
+# An operator of ``site`` with mutual TLS from ``{certs}/`` (made by ``gridd certs``), its
+# metrics and signals listeners on loopback, run and state directories of its own.
+PEERED_OPERATOR = """
+role: operator
+site: {site}
+trust_domain: grid.local
+tls: {{ca: {certs}/ca.pem, cert: {certs}/{site}-operator.pem, key: {certs}/{site}-operator-key.pem}}
+listen: {{metrics: "127.0.0.1:{metrics}", signals: "127.0.0.1:{signals}"}}
+control_socket: run/{site}.sock
+state_dir: state/{site}
+drain_grace_s: 2
+providers:
+{providers}
+peers:
+{peers}
+timings: {timings}
+"""
+
 
 def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports (held together while chosen, so they differ)."""
@@ -45,11 +63,25 @@ def wait_until(check, what: str, deadline_s: float = 30.0):
 
 class Processes:
     """Named gridd processes started in one directory, each logging to ``<name>.log``
-    there; ``env`` adds variables to a process's environment."""
+    there; ``env`` adds variables to a process's environment. As a context manager it
+    stops them all on the way out, and prints each one's log first when the test failed."""
+
+    LOG_TAIL_CHARS = 4000
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.procs: dict[str, subprocess.Popen] = {}
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None:
+                for log in sorted(self.dir.glob("*.log")):
+                    print(f"--- {log.name}\n{log.read_text(errors='replace')[-self.LOG_TAIL_CHARS:]}")
+        finally:
+            self.stop_all()
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process

@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from realproc import Processes, free_ports, wait_until
+from realproc import PEERED_OPERATOR, Processes, free_ports, wait_until
 
 pytestmark = pytest.mark.realproc
 
@@ -48,8 +48,7 @@ def ready_values(text: str) -> dict[str, float]:
 
 def test_a_hung_provider_goes_not_ready_and_never_takes_the_healthy_one_with_it(tmp_path):
     (metrics_port,) = free_ports(1)
-    procs = Processes(tmp_path)
-    try:
+    with Processes(tmp_path) as procs:
         procs.start("sim-healthy", "sim", "--port", "0")
         procs.start("sim-hung", "sim", "--port", "0")
         sims = {name: procs.sim_url(f"sim-{name}") for name in ("healthy", "hung")}
@@ -83,30 +82,8 @@ def test_a_hung_provider_goes_not_ready_and_never_takes_the_healthy_one_with_it(
         assert 5.0 <= went_down_after <= 8.0, went_down_after
         assert 'grid_provider_scrape_failures_total{grid_provider="hung",grid_site="a",reason="timeout"}' in \
             httpx.get(url, timeout=2).text
-    except BaseException:
-        for name in ("a", "sim-healthy", "sim-hung"):
-            if (tmp_path / f"{name}.log").exists():
-                print(f"--- {name}.log\n{procs.log(name)[-3000:]}")
-        raise
-    finally:
-        procs.stop_all()
 
 
-PEERED = """
-role: operator
-site: {site}
-trust_domain: grid.local
-tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
-listen: {{metrics: "127.0.0.1:{metrics}", signals: "127.0.0.1:{signals}"}}
-control_socket: run/{site}.sock
-state_dir: state/{site}
-drain_grace_s: 2
-providers:
-{providers}
-peers:
-  - {{site: {peer}, url: "wss://127.0.0.1:{peer_signals}/signals"}}
-timings: {{peer_poll_interval_s: 1, peer_poll_budget_s: 2, stale_metrics_s: 1}}
-"""
 
 
 def certs(directory) -> None:
@@ -138,20 +115,20 @@ def a_ready_at_b(text: str) -> float | None:
 def test_clock_steps_and_restarts_never_lock_a_site_out(tmp_path):
     certs(tmp_path)
     ports = dict(zip(("met-a", "sig-a", "met-b", "sig-b"), free_ports(4), strict=True))
-    procs = Processes(tmp_path)
 
     def metrics(site: str) -> str:
         return httpx.get(f"http://127.0.0.1:{ports[f'met-{site}']}/metrics", timeout=2).text
 
-    try:
+    with Processes(tmp_path) as procs:
         procs.start("sim-a", "sim", "--port", "0")
         sim = procs.sim_url("sim-a")
         for site, peer in (("a", "b"), ("b", "a")):
             providers = (f'  - {{name: pa, model: sim-model, settings: {{endpoint: "{sim}/v1"}}, '
                          f'metrics: {{url: "{sim}/metrics", timeout_s: 2}}}}') if site == "a" else "  []"
-            (tmp_path / f"{site}.yaml").write_text(PEERED.format(
-                site=site, peer=peer, metrics=ports[f"met-{site}"], signals=ports[f"sig-{site}"],
-                peer_signals=ports[f"sig-{peer}"], providers=providers))
+            (tmp_path / f"{site}.yaml").write_text(PEERED_OPERATOR.format(
+                site=site, certs="certs", metrics=ports[f"met-{site}"], signals=ports[f"sig-{site}"],
+                providers=providers, peers=f'  - {{site: {peer}, url: "wss://127.0.0.1:{ports["sig-" + peer]}/signals"}}',
+                timings="{peer_poll_interval_s: 1, peer_poll_budget_s: 2, stale_metrics_s: 1}"))
         procs.start("b", "run", "--config", "b.yaml")
 
         # 1. a's clock runs an hour ahead: it claims an epoch 3600 s ahead, which b (right
@@ -187,10 +164,3 @@ def test_clock_steps_and_restarts_never_lock_a_site_out(tmp_path):
         assert series(metrics("a"), "grid_provider_ready", grid_site="a")[0][1] == 0.0
         stale = series(metrics("b"), "grid_signals_ingest_dropped_total", reason="stale_order")
         assert stale[0][1] == 0.0
-    except BaseException:
-        for name in ("a", "b", "sim-a"):
-            if (tmp_path / f"{name}.log").exists():
-                print(f"--- {name}.log\n{procs.log(name)[-4000:]}")
-        raise
-    finally:
-        procs.stop_all()

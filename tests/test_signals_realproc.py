@@ -19,27 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from realproc import Processes
+from realproc import PEERED_OPERATOR, Processes
 
 pytestmark = pytest.mark.realproc
 
 WAIT_S = 20.0
 
-OPERATOR = """
-role: operator
-site: {site}
-trust_domain: grid.local
-tls: {{ca: {certs}/ca.pem, cert: {certs}/{site}-operator.pem, key: {certs}/{site}-operator-key.pem}}
-listen: {{metrics: "127.0.0.1:{metrics}", signals: "127.0.0.1:{signals}"}}
-control_socket: run/{site}.sock
-state_dir: state/{site}
-drain_grace_s: 2
-providers:
-{providers}
-peers:
-{peers}
-timings: {{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 4}}
-"""
 
 
 def free_port() -> int:
@@ -117,12 +102,12 @@ def test_two_operators_share_signals_and_refuse_strangers(tmp_path):
 
     def write(site: str, certs: str, providers: str, peers: list[str]) -> Path:
         path = tmp_path / f"{site}.yaml"
-        path.write_text(OPERATOR.format(site=site, certs=certs, metrics=ports[site][0], signals=ports[site][1],
-                                        providers=providers, peers="\n".join(peers) or "  []"))
+        path.write_text(PEERED_OPERATOR.format(
+            site=site, certs=certs, metrics=ports[site][0], signals=ports[site][1], providers=providers,
+            peers="\n".join(peers) or "  []", timings="{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 4}"))
         return path
 
-    procs = Processes(tmp_path)
-    try:
+    with Processes(tmp_path) as procs:
         procs.start("sim-a", "sim", "--port", "0")
         procs.start("sim-b", "sim", "--port", "0")
         sims = {site: procs.sim_url(f"sim-{site}") for site in "ab"}
@@ -171,13 +156,6 @@ def test_two_operators_share_signals_and_refuse_strangers(tmp_path):
         assert min(new_epochs) > max(b_epochs)
         wait_for("a to see b up", lambda: peer_status(tmp_path, "a", "b")["state"] == "up")
         assert "b" in provider_sites(metrics(ports["a"][0]))
-    except BaseException:
-        for name in ("a", "b", "c"):
-            if (tmp_path / f"{name}.log").exists():
-                print(f"--- {name}.log\n{procs.log(name)}")
-        raise
-    finally:
-        procs.stop_all()
 
 
 def test_operator_with_mismatched_certificate_exits_1(tmp_path):
