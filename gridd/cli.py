@@ -89,6 +89,7 @@ def _check_config(path: str | None) -> int:
 def _run(path: str | None) -> int:
     import trio
 
+    from gridd.clock import OFFSET_ENV, wall_clock_offset_s
     from gridd.config import load_config
     from gridd.daemon import Daemon
     from gridd.errors import GriddError
@@ -103,10 +104,14 @@ def _run(path: str | None) -> int:
         return EXIT_USAGE
     try:
         loaded = load_config(path)
+        clock_offset_s = wall_clock_offset_s()
     except GriddError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_USAGE
     setup_logging(loaded.config.log_level)
+    if clock_offset_s:
+        log.warning("wall clock shifted by %+g s (%s, a test aid): epochs, published times and "
+                    "the skew bound read the shifted clock", clock_offset_s, OFFSET_ENV)
     try:
         daemon = Daemon(loaded)
         trio.run(daemon.run)
@@ -216,9 +221,13 @@ def _provider_row(p: dict[str, Any]) -> list[Any]:
         ttft = f"{latency['ttft_p50_s']:.3f}/{_fmt(latency.get('ttft_p90_s'), '.3f')}"
     kv = "-" if p.get("kv_mean") is None else f"{p['kv_mean']:.2f}±{_fmt(p.get('kv_spread'), '.2f')}"
     ready = {True: "yes", False: "NO", None: "unknown"}[p.get("ready")]
+    failure = p.get("failure_class")
+    if failure is None and p.get("invalid_fields"):
+        # The scrape succeeded but fields were left out as out of range (published absent).
+        failure = "invalid:" + ",".join(p["invalid_fields"])
     return [p["name"], ready, p.get("reason", "-"), _fmt(p.get("ready_endpoints")), _fmt(p.get("in_flight"), ".1f"),
             kv, ttft, _fmt(latency.get("error_ratio"), ".3f"), _secs(p.get("scrape_age_s")) + " ago",
-            _fmt(p.get("failure_class"))]
+            _fmt(failure)]
 
 
 def format_status(s: dict[str, Any]) -> str:

@@ -104,6 +104,11 @@ class MetricsSource(Base):
 
     url: Url
     kind: Literal["auto", "epp", "vllm"] = "auto"
+    """What the URL serves: an llm-d EPP, a vLLM engine, or "auto" (told from the body). A
+    body of the other flavour fails the scrape as ``wrong_kind``."""
+    adapters: list[str] = msgspec.field(default_factory=list)
+    """Further ``model_name`` values (LoRA adapters) whose EPP request rows count toward
+    this provider's latency, besides its model."""
     pool: str | None = None
     """The InferencePool ``name`` label to read; may be omitted when the EPP serves one pool."""
     timeout_s: Positive = 2.0

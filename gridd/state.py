@@ -43,6 +43,14 @@ def write_durably(path: pathlib.Path, data: bytes, *, mode: int | None = None) -
         raise StateError(f"{path}: cannot write state durably: {exc.strerror or exc}") from None
 
 
+class EpochClaim(msgspec.Struct, frozen=True):
+    """A claimed publisher epoch. discarded: the high-water mark left unclaimed because it
+    was beyond the skew bound ahead of the clock (None when it was honoured)."""
+
+    epoch: int
+    discarded: int | None = None
+
+
 class ProviderRevision(msgspec.Struct, frozen=True):
     uid: str
     generation: int
@@ -79,13 +87,28 @@ class StateDir:
         except ValueError:
             raise StateError(f"{p}: epoch high-water mark is not an integer: {text[:40]!r}") from None
 
-    def claim_publisher_epoch(self, wall_now: float) -> int:
+    def claim_publisher_epoch(self, wall_now: float, *, future_bound_s: float) -> EpochClaim:
         """DESIGN 5: the epoch is a wall-clock second count taken at operator start, forced
         above the persisted high-water mark, written durably before the first publication,
-        so a restart never reuses or lowers it (even if the wall clock stepped back)."""
-        epoch = max(int(wall_now), self.read_epoch_high_water() + 1)
-        write_durably(self.path / EPOCH_FILE, f"{epoch}\n".encode())
-        return epoch
+        so a restart never reuses or lowers it (even if the wall clock stepped back).
+
+        Except a high-water mark more than ``future_bound_s`` (the receivers' skew bound,
+        timings.future_epoch_bound_s) ahead of the clock: it is not claimed, and the epoch
+        restarts from the clock. Every receiver whose clock agrees with ours drops an
+        epoch that far ahead as skew, so claiming above it would lock this site out until
+        the clock caught up (a clock that ran ahead, then was corrected). The trade-off,
+        when it is the clock *now* that is wrong (set back further than the bound since
+        the mark was claimed): receivers with a right clock still hold the higher epoch
+        and drop this one as stale_order until the clock is fixed and the operator
+        restarts (docs/wire.md, "Clock steps"). ``EpochClaim.discarded`` says it happened.
+        """
+        high_water = self.read_epoch_high_water()
+        if high_water > wall_now + future_bound_s:
+            claim = EpochClaim(int(wall_now), discarded=high_water)
+        else:
+            claim = EpochClaim(max(int(wall_now), high_water + 1))
+        write_durably(self.path / EPOCH_FILE, f"{claim.epoch}\n".encode())
+        return claim
 
     # -- provider uid and generation -------------------------------------------------------
 
@@ -99,28 +122,43 @@ class StateDir:
             raise StateError(f"{p}: unreadable provider revisions: {exc}") from None
 
     def sync_providers(self, providers: list[ProviderConfig]) -> dict[str, ProviderRevision]:
-        """Assign a random uid at creation and bump the generation on every spec change. A
-        provider absent from the config is deleted here, so re-creating the same name later
-        gets a new uid (spec: provider_uid identifies the object, including same-name
-        recreations)."""
+        """At start: the stored revisions brought up to this config, written durably when
+        they changed (see plan_revisions)."""
         old = self._read_revisions()
-        new: dict[str, ProviderRevision] = {}
-        for provider in providers:
-            digest = provider_spec_digest(provider)
-            prev = old.get(provider.name)
-            if prev is None:
-                new[provider.name] = ProviderRevision(secrets.token_hex(8), 1, digest)
-            elif prev.spec_digest != digest:
-                new[provider.name] = ProviderRevision(prev.uid, prev.generation + 1, digest)
-            else:
-                new[provider.name] = prev
+        new = plan_revisions(old, providers)
         if new != old:
-            write_durably(self.path / PROVIDERS_FILE, msgspec.json.encode(new))
+            self.write_revisions(new)
         return new
+
+    def write_revisions(self, revisions: dict[str, ProviderRevision]) -> None:
+        write_durably(self.path / PROVIDERS_FILE, msgspec.json.encode(revisions))
+
+
+def plan_revisions(current: dict[str, ProviderRevision],
+                   providers: list[ProviderConfig]) -> dict[str, ProviderRevision]:
+    """The revisions ``providers`` get, from the ``current`` ones; nothing is written.
+
+    Assign a random uid at creation and bump the generation on every spec change. A
+    provider absent from the config is deleted here, so re-creating the same name later
+    gets a new uid (spec: provider_uid identifies the object, including same-name
+    recreations). A staged reload plans; only its commit writes (DESIGN 4: "a rejected
+    reload changes and publishes nothing").
+    """
+    new: dict[str, ProviderRevision] = {}
+    for provider in providers:
+        digest = provider_spec_digest(provider)
+        prev = current.get(provider.name)
+        if prev is None:
+            new[provider.name] = ProviderRevision(secrets.token_hex(8), 1, digest)
+        elif prev.spec_digest != digest:
+            new[provider.name] = ProviderRevision(prev.uid, prev.generation + 1, digest)
+        else:
+            new[provider.name] = prev
+    return new
 
 
 def state_summary(state: StateDir) -> dict[str, Any]:
     return {"path": str(state.path), "epoch_high_water": state.read_epoch_high_water()}
 
 
-__all__ = ["StateDir", "ProviderRevision", "provider_spec_digest", "write_durably"]
+__all__ = ["EpochClaim", "StateDir", "ProviderRevision", "plan_revisions", "provider_spec_digest", "write_durably"]

@@ -30,7 +30,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from gridd.core.readings import LatencyBlock, LoadSignals, Revision
+from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
 from gridd.errors import GriddError
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "WireError",
     "decode",
     "encode",
+    "ordering",
     "protocol_refusal",
     "with_added_age",
 ]
@@ -146,6 +147,10 @@ class Batch(msgspec.Struct, frozen=True, omit_defaults=True):
     published_ms: the operator's wall clock at publication, milliseconds.
     age_s: how old the sample is at send time, in seconds. Relative, so no receiver
         trusts a sender's monotonic clock; each relay adds its holding time.
+    order: (publisher_epoch, batch_sequence) of a batch without revision metadata, so
+        receivers order every batch by epoch and sequence (see ordering()). None on a
+        batch with a revision (the revision carries them) and from older operators,
+        whose revision-less batches are ordered by published_ms.
     """
 
     site: str
@@ -160,6 +165,17 @@ class Batch(msgspec.Struct, frozen=True, omit_defaults=True):
     load: LoadSignals | None = None
     latency: LatencyBlock | None = None
     probes: dict[str, float] = {}
+    order: BatchOrder | None = None
+
+
+def ordering(batch: Batch) -> tuple[int, int] | None:
+    """The (publisher_epoch, batch_sequence) a receiver orders ``batch`` by: its revision's,
+    else its order's; None for a revision-less batch from an older operator."""
+    if batch.revision is not None:
+        return batch.revision.publisher_epoch, batch.revision.batch_sequence
+    if batch.order is not None:
+        return batch.order.publisher_epoch, batch.order.batch_sequence
+    return None
 
 
 _EvidenceName = Annotated[str, msgspec.Meta(max_length=253)]

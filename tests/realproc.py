@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
+
+# An operator of ``site`` with mutual TLS from ``{certs}/`` (made by ``gridd certs``), its
+# metrics and signals listeners on loopback, run and state directories of its own.
+PEERED_OPERATOR = """
+role: operator
+site: {site}
+trust_domain: grid.local
+tls: {{ca: {certs}/ca.pem, cert: {certs}/{site}-operator.pem, key: {certs}/{site}-operator-key.pem}}
+listen: {{metrics: "127.0.0.1:{metrics}", signals: "127.0.0.1:{signals}"}}
+control_socket: run/{site}.sock
+state_dir: state/{site}
+drain_grace_s: 2
+providers:
+{providers}
+peers:
+{peers}
+timings: {timings}
+"""
 
 
 def free_ports(n: int) -> list[int]:
@@ -46,3 +69,66 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=grace_s)
+
+
+class Processes:
+    """Named gridd processes started in one directory, each logging to ``<name>.log``
+    there; ``env`` adds variables to a process's environment. As a context manager it
+    stops them all on the way out, and prints each one's log first when the test failed."""
+
+    LOG_TAIL_CHARS = 4000
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None:
+                for log in sorted(self.dir.glob("*.log")):
+                    print(f"--- {log.name}\n{log.read_text(errors='replace')[-self.LOG_TAIL_CHARS:]}")
+        finally:
+            self.stop_all()
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
+                                env=None if env is None else {**os.environ, **env})
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.dir / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def stop(self, name: str) -> int:
+        """SIGTERM one process and wait for it; its exit code."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=20)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def sim_url(self, name: str) -> str:
+        def url() -> str | None:
+            m = re.search(r"listening on (http://\S+)", self.log(name))
+            return m.group(1) if m else None
+
+        return wait_until(url, f"{name} to listen")

@@ -411,8 +411,10 @@ VALIDATION = [
     ("negative age", batch(E, 1, age_s=-0.5), "age_s"),
     ("complete without revision", batch(None, complete=True), "without revision"),
     ("complete without load", batch(E, 1, load=None), "without load"),
-    ("complete with a sample count mismatch", batch(E, 1, samples=5), "carries 3 samples"),
-    ("incomplete with more samples than stated", batch(E, 1, complete=False, samples=1), "carries 3"),
+    # An older operator counted the pool-level load as one more sample (2 units + 1).
+    ("complete with the legacy sample count", batch(E, 1, samples=3), None),
+    ("complete with a sample count mismatch", batch(E, 1, samples=5), "carries 2 samples"),
+    ("incomplete with more samples than stated", batch(E, 1, complete=False, samples=1), "carries 2"),
     ("empty provider uid", _with_revision(provider_uid=""), "provider_uid"),
     ("negative generation", _with_revision(generation=-1), "generation"),
     ("negative ready endpoints", _with_load(ready_endpoints=-1), "ready_endpoints"),

@@ -190,7 +190,7 @@ async def test_exported_series_pass_promtool(tmp_path, autojump_clock):
                    "grid_provider_error_ratio", "grid_provider_config_generation"):
         assert re.search(rf"^{family}\{{", text, re.M), family
     gen = re.search(r"^grid_provider_config_generation\{(.*)\} 1\.0 (\d+)$", text, re.M)
-    assert gen is not None and 'batch_samples="3"' in gen.group(1)
+    assert gen is not None and 'batch_samples="2"' in gen.group(1)  # 2 endpoints
     proc = await trio.run_process([promtool, "check", "metrics"], stdin=body, capture_stdout=True,
                                   capture_stderr=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -301,11 +301,14 @@ def test_unpublishable_values_travel_as_a_verdict_alone_and_time_never_goes_back
             b'llm_d_epp_per_endpoint_queue_size{name="p",model_server_endpoint="e0"} 0\n')
     first = pub.on_scrape(now=1.0, wall_now=1000.0, body=good, failure_class=None, stale_after_s=10, unavailable=False)
     assert first.complete and validate_payload(first) is None
-    bad = good.replace(b"average_queue_size{name=\"p\"} 0", b"average_queue_size{name=\"p\"} -1")
+    # A payload no field-level rule covers (here a probe value that is not finite): the
+    # verdict travels alone. (An out-of-range load value only leaves that field out:
+    # tests/test_failure_paths.py.)
+    pub.probes = {"attributes.probe.x": math.nan}
     # ... and the wall clock stepped back 5 s
-    second = pub.on_scrape(now=2.0, wall_now=995.0, body=bad, failure_class=None, stale_after_s=10, unavailable=False)
+    second = pub.on_scrape(now=2.0, wall_now=995.0, body=good, failure_class=None, stale_after_s=10, unavailable=False)
     assert second.revision is None and second.load is None and second.ready is True
-    assert validate_payload(second) is None and pub.summary.invalid_payloads == 1
+    assert pub.summary.unpublishable == {"payload": 1}
     assert second.published_ms > first.published_ms
 
 

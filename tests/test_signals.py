@@ -57,8 +57,8 @@ def test_epp_healthy(samples_dir):
     assert load.in_flight == 51.0
     # queue_full_at=2: only c4nwm (waiting 2 >= 2).
     assert load.queue_full_units == 1
-    # 4 units + 1 pool-level sample.
-    assert sample_count(load) == 5
+    # One sample per serving unit: 4 endpoints.
+    assert sample_count(load) == 4
 
 
 def test_epp_healthy_queue_full_unset_counts_none(samples_dir):
@@ -82,7 +82,7 @@ def test_epp_saturated(samples_dir):
     assert load.in_flight == 412.0
     # queue_full_at=15: 8hfzt (18) and tq7lr (16); 2xkqp (14) and c4nwm (11) are below.
     assert load.queue_full_units == 2
-    assert sample_count(load) == 5
+    assert sample_count(load) == 4
 
 
 def test_epp_zero_ready_publishes_no_load(samples_dir):
@@ -127,7 +127,7 @@ def test_epp_multi_pool_qwen_uses_averages_only(samples_dir):
     assert load.in_flight == 84.0
     assert (load.avg_running, load.avg_waiting, load.kv_mean, load.kv_spread) == (32.5, 7.5, 0.86, 0.04)
     assert load.queue_full_units == 1  # wp9hn: 9 >= 8
-    assert sample_count(load) == 3  # 2 units + 1 pool sample
+    assert sample_count(load) == 2  # 2 units
 
 
 def test_vllm_direct(samples_dir):
@@ -142,7 +142,7 @@ def test_vllm_direct(samples_dir):
     assert load.flow_queue == 0.0
     assert load.in_flight == 13.0  # 12 running + 1 waiting
     assert load.queue_full_units == 1  # waiting 1 >= 1
-    assert sample_count(load) == 2  # 1 engine + 1 pool sample
+    assert sample_count(load) == 1  # 1 engine
 
 
 @pytest.mark.parametrize("name", SAMPLE_FILES)
@@ -192,7 +192,7 @@ def test_no_average_running_and_no_producer_gives_no_in_flight():
     load = derive_text(text)
     assert load.avg_running is None
     assert load.in_flight is None
-    assert sample_count(load) == 4  # 3 units + the pool sample (avg_waiting, kv_mean)
+    assert sample_count(load) == 3  # 3 units
 
 
 def epp_text(*, ready: int, avg_running: float, avg_waiting: float, inflight: dict[str, float],
@@ -252,4 +252,4 @@ vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.75
     # Sample std dev: sqrt(((0.25 - 0.5)^2 + (0.75 - 0.5)^2) / (2 - 1)) = sqrt(0.125)
     assert load.kv_spread == pytest.approx(math.sqrt(0.125), abs=1e-15)
     assert load.in_flight == 9.0  # (3 + 1) + (5 + 0)
-    assert sample_count(load) == 3
+    assert sample_count(load) == 2  # 2 engines

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,26 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from realproc import PEERED_OPERATOR, Processes
 
 pytestmark = pytest.mark.realproc
 
 WAIT_S = 20.0
 
-OPERATOR = """
-role: operator
-site: {site}
-trust_domain: grid.local
-tls: {{ca: {certs}/ca.pem, cert: {certs}/{site}-operator.pem, key: {certs}/{site}-operator-key.pem}}
-listen: {{metrics: "127.0.0.1:{metrics}", signals: "127.0.0.1:{signals}"}}
-control_socket: run/{site}.sock
-state_dir: state/{site}
-drain_grace_s: 2
-providers:
-{providers}
-peers:
-{peers}
-timings: {{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 4}}
-"""
 
 
 def free_port() -> int:
@@ -62,45 +47,6 @@ def wait_for(what: str, check: Callable[[], object], timeout: float = WAIT_S) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.2)
-
-
-class Processes:
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir)
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.dir / f"{name}.log").read_text(errors="replace")
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        proc.kill()
-        proc.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-    def sim_url(self, name: str) -> str:
-        def url() -> str | None:
-            m = re.search(r"listening on (http://\S+)", self.log(name))
-            return m.group(1) if m else None
-
-        return wait_for(f"{name} to listen", url)
 
 
 def metrics(port: int) -> str:
@@ -156,12 +102,12 @@ def test_two_operators_share_signals_and_refuse_strangers(tmp_path):
 
     def write(site: str, certs: str, providers: str, peers: list[str]) -> Path:
         path = tmp_path / f"{site}.yaml"
-        path.write_text(OPERATOR.format(site=site, certs=certs, metrics=ports[site][0], signals=ports[site][1],
-                                        providers=providers, peers="\n".join(peers) or "  []"))
+        path.write_text(PEERED_OPERATOR.format(
+            site=site, certs=certs, metrics=ports[site][0], signals=ports[site][1], providers=providers,
+            peers="\n".join(peers) or "  []", timings="{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 4}"))
         return path
 
-    procs = Processes(tmp_path)
-    try:
+    with Processes(tmp_path) as procs:
         procs.start("sim-a", "sim", "--port", "0")
         procs.start("sim-b", "sim", "--port", "0")
         sims = {site: procs.sim_url(f"sim-{site}") for site in "ab"}
@@ -210,13 +156,6 @@ def test_two_operators_share_signals_and_refuse_strangers(tmp_path):
         assert min(new_epochs) > max(b_epochs)
         wait_for("a to see b up", lambda: peer_status(tmp_path, "a", "b")["state"] == "up")
         assert "b" in provider_sites(metrics(ports["a"][0]))
-    except BaseException:
-        for name in ("a", "b", "c"):
-            if (tmp_path / f"{name}.log").exists():
-                print(f"--- {name}.log\n{procs.log(name)}")
-        raise
-    finally:
-        procs.stop_all()
 
 
 def test_operator_with_mismatched_certificate_exits_1(tmp_path):

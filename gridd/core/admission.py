@@ -24,8 +24,8 @@ from typing import Final, Literal
 import msgspec
 
 from gridd.core.readings import LatencyBlock, LoadSignals
-from gridd.core.signals import sample_count
-from gridd.wire import FEEDBACK_EVIDENCE_MAX, WIRE_INT_MAX, Batch, Cursor, SkewEvidence
+from gridd.core.signals import legacy_sample_count, sample_count
+from gridd.wire import FEEDBACK_EVIDENCE_MAX, WIRE_INT_MAX, Batch, Cursor, SkewEvidence, ordering
 
 __all__ = [
     "ACCEPTED",
@@ -118,11 +118,15 @@ class AdmissionFences:
             return self._drop("invalid", "empty site or provider")
 
         key = (batch.site, batch.provider)
-        revision = batch.revision
-        if revision is None:
+        # Spec: "Receivers order batches by publisher epoch and sequence to reject delayed
+        # data." Every batch of a current operator carries them: a qualified one in its
+        # revision, a verdict-only one in its order (gridd.wire.ordering). Only an older
+        # operator's revision-less batch has none.
+        order = ordering(batch)
+        if order is None:
             return self._admit_unordered(key, batch, now_wall)
 
-        epoch, sequence = revision.publisher_epoch, revision.batch_sequence
+        epoch, sequence = order
         if epoch < 0 or sequence < 0:
             # Not valid ordering metadata: nothing to fence with, nothing retained.
             return self._drop("invalid", f"negative ordering metadata ({epoch}, {sequence})")
@@ -138,9 +142,10 @@ class AdmissionFences:
 
         # c. Spec: "Receivers order batches by publisher epoch and sequence to reject
         #    delayed data."
-        order = (epoch, sequence)
         content = _without_age(batch)
         state = self._sources.get(key)
+        if state is not None:
+            self._release_future_fence(state, now_wall)
         if state is not None and state.fence is not None:
             if order < state.fence:
                 return self._drop("stale_order", f"{order} is behind the fence {state.fence}")
@@ -171,13 +176,16 @@ class AdmissionFences:
 
     def _admit_unordered(self, key: tuple[str, str], batch: Batch, now_wall: float) -> Admission:
         # e. Spec: "Missing or stale metadata disables learning while fresh pressure
-        #    signals remain usable." A batch without a revision has no (epoch, sequence):
-        #    it never creates, moves or is checked against a fence. It is ordered by its
-        #    publisher's published_ms against every reading admitted for this provider,
-        #    so a delayed one cannot replace a newer reading.
+        #    signals remain usable." An older operator's batch without a revision has no
+        #    (epoch, sequence): it never creates, moves or is checked against a fence. It
+        #    is ordered by its publisher's published_ms against every reading admitted for
+        #    this provider, so a delayed one cannot replace a newer reading (but one
+        #    published after a restart with the clock set back is dropped: the reason
+        #    current operators stamp an order on every revision-less batch).
         content = _without_age(batch)
         state = self._sources.get(key)
         if state is not None:
+            self._release_future_fence(state, now_wall)
             if content == state.latest:
                 return REPEAT
             if state.latest_published_ms is not None and batch.published_ms <= state.latest_published_ms:
@@ -197,6 +205,21 @@ class AdmissionFences:
             state = self._sources[key] = _SourceState()
         self._take_reading(state, content)
         return ACCEPTED
+
+    def _release_future_fence(self, state: _SourceState, now_wall: float) -> None:
+        """A fence further ahead of this receiver's wall clock than the skew bound orders
+        nothing any more: every batch at or above it is dropped as skew (rule b) and every
+        one below it as stale_order, which would lock the provider out until the clock
+        reached it. It can only have been taken while this receiver's clock, or the
+        publisher's, was wrong; once the clock is right again it is released, and the next
+        batch that passes rule b starts the ordering afresh (docs/wire.md, "Clock steps").
+        The same holds for the published_ms that orders an older operator's
+        revision-less batches."""
+        bound = now_wall + self.future_epoch_bound_s
+        if state.fence is not None and state.fence[0] > bound:
+            state.fence, state.fence_content, state.fence_admitted = None, None, False
+        if state.latest_published_ms is not None and state.latest_published_ms / 1000.0 > bound:
+            state.latest_published_ms = None
 
     @staticmethod
     def _take_reading(state: _SourceState, content: Batch) -> None:
@@ -316,6 +339,9 @@ def validate_payload(batch: Batch) -> str | None:
     if _bad_count(batch.age_s):
         return f"age_s={batch.age_s!r} is not a finite non-negative number"
     revision, load = batch.revision, batch.load
+    if revision is not None and batch.order is not None:
+        # Two sets of ordering metadata; a publisher stamps an order only without a revision.
+        return "order beside revision metadata"
     if revision is not None:
         if not revision.provider_uid:
             return "revision.provider_uid is empty"
@@ -333,11 +359,13 @@ def validate_payload(batch: Batch) -> str | None:
         problem = _load_problem(load)
         if problem is not None:
             return problem
-        # batch_samples is the scrape's load-sample count (gridd.core.signals.sample_count):
-        # a complete batch carries exactly that many, an incomplete one no more.
+        # batch_samples is the scrape's load-sample count (gridd.core.signals.sample_count,
+        # one per serving unit): a complete batch carries exactly that many, an incomplete
+        # one no more. An older operator counted the pool-level load as one more sample;
+        # its complete batches are still admitted (legacy_sample_count).
         if revision is not None:
             carried = sample_count(load)
-            if batch.complete and carried != revision.batch_samples:
+            if batch.complete and revision.batch_samples not in (carried, legacy_sample_count(load)):
                 return f"complete batch carries {carried} samples, revision says {revision.batch_samples}"
             if carried > revision.batch_samples:
                 return f"batch carries {carried} samples, revision says {revision.batch_samples}"

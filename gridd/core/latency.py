@@ -16,6 +16,8 @@ scrape, and differences the newest against a baseline inside the window:
 
 Sources (docs/signals.md, "Latency"):
 
+- EPP rows count only for the provider's own model (and configured adapters): the
+  ``model_name`` label must be one of ``models`` ("never borrowed"; docs/signals.md).
 - EPP: successes = sum of llm_d_epp_request_duration_seconds_count (recorded only for
   successful requests; legacy inference_objective_request_duration_seconds_count when the
   canonical family is absent). failures = sum of llm_d_epp_request_error_total over
@@ -91,18 +93,36 @@ class _Snapshot:
                 *(count for _, count in self.ttft))
 
 
-def _total(expo: Exposition, families: tuple[str, ...], *, skip_empty_model: bool = False) -> float:
+Models = frozenset[str] | None
+"""The ``model_name`` values whose EPP rows are this provider's; None takes every row."""
+
+
+def _is_ours(labels: dict[str, str], models: Models) -> bool:
+    """Spec: latency is "never borrowed". One EPP can serve several models (a pool with
+    LoRA adapters, several pools), and labels its request families by the client-sent
+    ``model_name``; only the provider's own model (and its configured adapters) count. A
+    row without the label at all (a build that does not set it) cannot be told apart and
+    counts; ``model_name=""`` (a body the EPP could not parse) and the cap's ``other``
+    never match a configured name."""
+    if models is None:
+        return True
+    name = labels.get("model_name")
+    return name is None or name in models
+
+
+def _total(expo: Exposition, families: tuple[str, ...], models: Models, *,
+           skip_empty_model: bool = False) -> float:
     """Sum of the first family present (canonical before legacy; never both: an EPP from
     v0.9 on emits both under dual emission, and adding them would count twice)."""
     for family in families:
         rows = expo.samples.get(family)
         if rows:
-            return sum(v for labels, v in rows if math.isfinite(v)
+            return sum(v for labels, v in rows if math.isfinite(v) and _is_ours(labels, models)
                        and not (skip_empty_model and labels.get("model_name") == ""))
     return 0.0
 
 
-def _buckets(expo: Exposition, family: str, *, streaming_only: bool) -> Buckets:
+def _buckets(expo: Exposition, family: str, models: Models, *, streaming_only: bool) -> Buckets:
     """Cumulative bucket counts summed across label sets per ``le``.
 
     Summing cumulative counts of several series bucket by bucket yields the cumulative
@@ -111,6 +131,8 @@ def _buckets(expo: Exposition, family: str, *, streaming_only: bool) -> Buckets:
     per_le: dict[float, float] = {}
     for labels, value in expo.samples.get(family, ()):
         if streaming_only and labels.get("streaming") != "true":
+            continue
+        if not _is_ours(labels, models):
             continue
         le_text = labels.get("le")
         if le_text is None or math.isnan(value):
@@ -123,17 +145,22 @@ def _buckets(expo: Exposition, family: str, *, streaming_only: bool) -> Buckets:
     return tuple(sorted(per_le.items()))
 
 
-def _sum_count(expo: Exposition, histograms: tuple[str, ...]) -> tuple[float, float]:
+def _sum_count(expo: Exposition, histograms: tuple[str, ...], models: Models = None) -> tuple[float, float]:
     for name in histograms:
         count_rows = expo.samples.get(f"{name}_count")
         if count_rows:
-            total = sum(v for _, v in expo.samples.get(f"{name}_sum", ()) if math.isfinite(v))
-            return total, sum(v for _, v in count_rows if math.isfinite(v))
+            total = sum(v for labels, v in expo.samples.get(f"{name}_sum", ())
+                        if math.isfinite(v) and _is_ours(labels, models))
+            return total, sum(v for labels, v in count_rows if math.isfinite(v) and _is_ours(labels, models))
     return 0.0, 0.0
 
 
-def _snapshot(now: float, expo: Exposition) -> _Snapshot:
-    if any(name.startswith("vllm:") for name in expo.samples):
+def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Models = None) -> _Snapshot:
+    """kind: "epp" or "vllm" reads that source's families; "auto" takes vLLM's when the
+    body has any vllm:* series. models: applies to the EPP's rows only (an engine serves
+    one model, labelled with its first --served-model-name, which need not be the
+    provider's name)."""
+    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.samples)):
         successes = completed = 0.0
         for labels, value in expo.samples.get(_VLLM_SUCCESS, ()):
             if not math.isfinite(value):
@@ -144,14 +171,14 @@ def _snapshot(now: float, expo: Exposition) -> _Snapshot:
         tpot_sum, tpot_count = _sum_count(expo, _VLLM_TPOT)
         return _Snapshot(at=now, source="vllm", successes=successes, completed=completed,
                          failures=None,
-                         ttft=_buckets(expo, _VLLM_TTFT_BUCKET, streaming_only=False),
+                         ttft=_buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False),
                          tpot_sum=tpot_sum, tpot_count=tpot_count)
-    successes = _total(expo, _EPP_SUCCESS)
-    failures = _total(expo, _EPP_ERRORS, skip_empty_model=True)
-    tpot_sum, tpot_count = _sum_count(expo, _EPP_TPOT)
+    successes = _total(expo, _EPP_SUCCESS, models)
+    failures = _total(expo, _EPP_ERRORS, models, skip_empty_model=True)
+    tpot_sum, tpot_count = _sum_count(expo, _EPP_TPOT, models)
     return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
                      failures=failures,
-                     ttft=_buckets(expo, _EPP_TTFT_BUCKET, streaming_only=True),
+                     ttft=_buckets(expo, _EPP_TTFT_BUCKET, models, streaming_only=True),
                      tpot_sum=tpot_sum, tpot_count=tpot_count)
 
 
@@ -212,17 +239,23 @@ class LatencyWindow:
     (fewer than min_completed completions in it, or no baseline yet).
     """
 
-    __slots__ = ("window_s", "min_completed", "_snapshots", "_last_answer_at",
+    __slots__ = ("window_s", "min_completed", "kind", "models", "_snapshots", "_last_answer_at",
                  "_answered_on_last_observe", "resets")
 
     def __init__(self, window_s: float = DEFAULT_LATENCY_WINDOW_S,
-                 min_completed: int = DEFAULT_MIN_COMPLETED) -> None:
+                 min_completed: int = DEFAULT_MIN_COMPLETED, *, kind: str = "auto",
+                 models: Models = None) -> None:
+        """kind: the provider's metrics.kind ("auto", "epp" or "vllm"). models: the
+        model_name values whose EPP rows are the provider's (its model and adapters);
+        None takes every row."""
         if window_s <= 0:
             raise ValueError("window_s must be positive")
         if min_completed < 1:
             raise ValueError("min_completed must be at least 1")
         self.window_s = window_s
         self.min_completed = min_completed
+        self.kind = kind
+        self.models = models
         self._snapshots: deque[_Snapshot] = deque()
         self._last_answer_at: float | None = None
         self._answered_on_last_observe = False
@@ -253,7 +286,7 @@ class LatencyWindow:
         return self._last_answer_at is not None and now - self._last_answer_at <= within_s
 
     def observe(self, now: float, expo: Exposition) -> LatencyBlock | None:
-        snap = _snapshot(now, expo)
+        snap = _snapshot(now, expo, kind=self.kind, models=self.models)
         self._answered_on_last_observe = False
         if self._snapshots:
             prev = self._snapshots[-1]

@@ -1,10 +1,12 @@
 """The operator's per-provider pipeline: one scrape in, one Batch out. Pure: time comes in.
 
 scrape body -> parse (WANTED_SAMPLES only) -> derive load -> latency window -> readiness
-verdict -> Batch. Only a *qualified* batch (the scrape succeeded, was not cut at the body
-cap, and parsed) carries revision metadata and takes the next sequence number (spec:
-Provider revisions; DESIGN 5b). A failed scrape still publishes the readiness verdict, in
-a batch without revision metadata: receivers use it for readiness but never learn from it.
+verdict -> Batch. Every batch takes the next sequence number of the operator's epoch. Only
+a *qualified* batch (the scrape succeeded, was not cut at the body cap, and parsed) carries
+revision metadata (spec: Provider revisions; DESIGN 5b). A failed scrape still publishes
+the readiness verdict, in a batch without revision metadata but with its (epoch, sequence)
+as ``order``: receivers order it like any other batch and use it for readiness, but never
+learn from it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from gridd.core.admission import validate_payload
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import ReadinessTracker, Verdict
-from gridd.core.readings import LatencyBlock, LoadSignals, Revision
-from gridd.core.signals import WANTED_SAMPLES, derive_load, sample_count
+from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
+from gridd.core.signals import WANTED_SAMPLES, derive, kind_mismatch, sample_count
 from gridd.wire import Batch
 
 MAX_EXPOSITION_LINES = 50_000
@@ -30,14 +32,18 @@ lines cost the parser ~40 ms on the event loop, the most a scrape may take there
 class ScrapeSummary:
     """What gridctl and the exporter show about a provider's scraping."""
 
-    __slots__ = ("scrapes", "failures", "malformed_lines", "invalid_payloads", "last_success_at",
+    __slots__ = ("scrapes", "failures", "malformed_lines", "unpublishable", "invalid_fields", "last_success_at",
                  "last_failure_class", "last_failure_detail", "last_scrape_at")
 
     def __init__(self) -> None:
         self.scrapes = 0
         self.failures: dict[str, int] = {}
         self.malformed_lines = 0
-        self.invalid_payloads = 0
+        # Readings with something receivers would reject, by reason: a field name (that
+        # field was published as absent) or "payload" (the verdict travelled alone).
+        self.unpublishable: dict[str, int] = {}
+        # The latest successful scrape's fields left out: field -> why.
+        self.invalid_fields: dict[str, str] = {}
         self.last_success_at: float | None = None
         self.last_scrape_at: float | None = None
         self.last_failure_class: str | None = None
@@ -58,6 +64,8 @@ class ProviderPublisher:
         next_sequence: Callable[[], int],
         pool: str | None = None,
         queue_full_at: float | None = None,
+        kind: str = "auto",
+        adapters: tuple[str, ...] = (),
         latency_window_s: float = 30.0,
         latency_min_completed: int = 20,
         engine_answer_window_s: float = 30.0,
@@ -70,35 +78,49 @@ class ProviderPublisher:
         self.publisher_epoch = publisher_epoch
         self.pool = pool
         self.queue_full_at = queue_full_at
+        self.kind = kind
+        self.adapters = adapters
         # Receivers fence per (site, provider) on (publisher_epoch, batch_sequence), so a
         # provider's sequence must keep rising within an epoch even across a delete and
         # re-create under the same name (a new uid): the operator hands out one counter.
         self._next_sequence = next_sequence
         self.sequence = 0
         self.readiness = ReadinessTracker(created_at=created_at, engine_answer_window_s=engine_answer_window_s)
-        self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
+        self.latency = self._latency_window(latency_window_s, latency_min_completed)
         self.summary = ScrapeSummary()
         self.last_load: LoadSignals | None = None
         self.last_latency: LatencyBlock | None = None
         self.last_verdict: Verdict | None = None
         self.probes: dict[str, float] = {}
         self._last_published_ms = 0
+        # Whether the latest successful scrape left out a different set of fields than the
+        # one before (summary.invalid_fields): the operator logs it.
+        self.invalid_fields_changed = False
+
+    def _latency_window(self, window_s: float, min_completed: int) -> LatencyWindow:
+        # Spec: latency is "never borrowed": only the rows of this provider's model and its
+        # configured adapters count, out of everything one EPP serves.
+        return LatencyWindow(window_s=window_s, min_completed=min_completed, kind=self.kind,
+                             models=frozenset((self.model, *self.adapters)))
 
     def retune(self, *, latency_window_s: float, latency_min_completed: int, engine_answer_window_s: float) -> None:
         """A committed reload's windows: readiness history kept; the latency window starts
         over when its length or threshold changed (its baseline meant the old window)."""
         self.readiness.retune(engine_answer_window_s=engine_answer_window_s)
         if (latency_window_s, latency_min_completed) != (self.latency.window_s, self.latency.min_completed):
-            self.latency = LatencyWindow(window_s=latency_window_s, min_completed=latency_min_completed)
+            self.latency = self._latency_window(latency_window_s, latency_min_completed)
 
     def reconfigure(self, *, model: str, provider_uid: str, generation: int, pool: str | None,
-                    queue_full_at: float | None) -> None:
+                    queue_full_at: float | None, kind: str = "auto", adapters: tuple[str, ...] = ()) -> None:
         """A committed reload. A new uid (delete + re-create) restarts the latency window and
-        readiness history with the object; a new generation keeps them (same provider)."""
-        if provider_uid != self.provider_uid:
-            self.latency = LatencyWindow(window_s=self.latency.window_s, min_completed=self.latency.min_completed)
+        readiness history with the object; a new generation keeps them (same provider),
+        unless what the window reads changed (model, adapters, kind)."""
+        restart_latency = (provider_uid != self.provider_uid
+                           or (model, kind, adapters) != (self.model, self.kind, self.adapters))
         self.model, self.provider_uid, self.generation = model, provider_uid, generation
-        self.pool, self.queue_full_at = pool, queue_full_at
+        self.pool, self.queue_full_at, self.kind, self.adapters = pool, queue_full_at, kind, adapters
+        if restart_latency:
+            self.latency = self._latency_window(self.latency.window_s, self.latency.min_completed)
 
     def on_scrape(
         self,
@@ -114,6 +136,7 @@ class ProviderPublisher:
         summary = self.summary
         summary.scrapes += 1
         summary.last_scrape_at = now
+        self.invalid_fields_changed = False
         load: LoadSignals | None = None
         latency: LatencyBlock | None = None
         if failure_class is None and body is not None and body.count(b"\n") > MAX_EXPOSITION_LINES:
@@ -123,11 +146,18 @@ class ProviderPublisher:
         if failure_class is None and body is not None:
             expo = parse_exposition(body, WANTED_SAMPLES)
             summary.malformed_lines += expo.malformed_lines
+            mismatch = kind_mismatch(expo, self.kind)
             if expo.malformed_lines and not expo.samples:
                 # Nothing usable came out of a body that did not parse: a failed scrape.
                 failure_class, failure_detail = "parse", f"{expo.malformed_lines} malformed lines, no samples"
+            elif mismatch is not None:
+                # metrics.kind names what the URL serves; a body of the other flavour is a
+                # misconfiguration (or the wrong URL), not a reading of this provider.
+                failure_class, failure_detail = "wrong_kind", mismatch
             else:
-                load = derive_load(expo, pool=self.pool, queue_full_at=self.queue_full_at)
+                derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind)
+                load = derived.load
+                self._note_invalid_fields(derived.invalid)
                 latency = self.latency.observe(now, expo)
                 self.readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
                                          engine_answered=self.latency.answered_on_last_observe)
@@ -140,10 +170,14 @@ class ProviderPublisher:
             summary.last_failure_class, summary.last_failure_detail = None, ""
         verdict = self.readiness.verdict(now, stale_after_s=stale_after_s, unavailable=unavailable)
         self.last_verdict = verdict
-        # Receivers order batches without revision metadata by published_ms: it never goes
-        # backwards for a provider, even if the wall clock steps back.
+        # Never backwards for a provider within a process, even if the wall clock steps
+        # back (older receivers order revision-less batches by it). Receivers of this
+        # version order every batch by (publisher_epoch, batch_sequence) instead, which a
+        # restart under a clock set back cannot lower: every batch takes the next sequence
+        # number, and the one without a revision carries it as its order.
         published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
         self._last_published_ms = published_ms
+        sequence = self._next_sequence()
         batch = Batch(
             site=self.site,
             provider=self.provider,
@@ -153,22 +187,37 @@ class ProviderPublisher:
             ready=verdict.ready,
             ready_reason=verdict.reason,
             probes=dict(self.probes),
+            order=BatchOrder(self.publisher_epoch, sequence),
         )
         if load is None:
             return batch
-        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, self._next_sequence(),
-                            sample_count(load))
-        full = msgspec.structs.replace(batch, revision=revision, complete=True, load=load, latency=latency)
+        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence, sample_count(load))
+        full = msgspec.structs.replace(batch, revision=revision, order=None, complete=True, load=load,
+                                       latency=latency)
         problem = validate_payload(full)
         if problem is not None:
-            # Values receivers would reject (a negative queue, KV above 1): publish the
-            # verdict alone, so readiness still travels, and count it like a parse drop.
-            summary.invalid_payloads += 1
+            # A backstop: derivation already left out every out-of-range load value, so
+            # this is a payload no field-level rule covers. Publish the verdict alone, so
+            # readiness still travels, and count it.
+            self._count_unpublishable("payload")
             summary.last_failure_detail = f"unpublishable reading: {problem}"
             return batch
         self.sequence = revision.batch_sequence
         self.last_load, self.last_latency = load, latency
         return full
+
+    def _count_unpublishable(self, reason: str) -> None:
+        counts = self.summary.unpublishable
+        counts[reason] = counts.get(reason, 0) + 1
+
+    def _note_invalid_fields(self, invalid: dict[str, str]) -> None:
+        """Count each field left out, and flag a change in which fields are left out, so the
+        operator says why once per transition rather than once per scrape."""
+        for field in invalid:
+            self._count_unpublishable(field)
+        summary = self.summary
+        self.invalid_fields_changed = invalid.keys() != summary.invalid_fields.keys()
+        summary.invalid_fields = invalid
 
     def current_verdict(self, now: float, *, stale_after_s: float, unavailable: bool) -> Verdict:
         """The verdict now, between scrapes (staleness moves with time)."""

@@ -29,10 +29,12 @@ __all__ = [
     "Verdict",
     "default_stale_metrics_s",
     "effective_stale_after_s",
+    "measured_pass_s",
     "readiness_floor_s",
 ]
 
-FAILURE_CLASSES: frozenset[str] = frozenset({"timeout", "connect", "tls", "http_status", "body_cap", "parse"})
+FAILURE_CLASSES: frozenset[str] = frozenset({"timeout", "connect", "tls", "http_status", "body_cap", "parse",
+                                             "wrong_kind"})
 
 DEFAULT_SIGNAL_TTL_S = 20.0
 # "staleMetricsSeconds (half the signal TTL when unset)": 20 s / 2.
@@ -68,6 +70,26 @@ def readiness_floor_s(interval_s: float, last_pass_s: float) -> float:
     or the latest measured pass". The network is everything one operator scrapes in one
     pass (DESIGN 5b)."""
     return interval_s + max(interval_s, last_pass_s)
+
+
+def measured_pass_s(last_pass_s: float | None, running_since: float | None, now: float) -> float:
+    """The "latest measured pass" the floor uses: the latest finished pass, or the pass
+    still running once it has been running longer than that.
+
+    A pass that has not finished is still a measurement: when a provider first turns slow
+    or hangs, the running pass is the slow one while the latest finished pass was fast.
+    Using the finished pass alone would shrink the floor below what the running pass
+    already took, and every provider it already scraped would read stale until it ends,
+    which is what the floor exists to prevent ("keeps a successful sample valid until
+    the next non-overlapping pass can refresh it").
+
+    last_pass_s: duration of the latest finished pass, None before the first.
+    running_since: when the running pass started, None between passes.
+    """
+    measured = last_pass_s if last_pass_s is not None else 0.0
+    if running_since is not None:
+        measured = max(measured, now - running_since)
+    return measured
 
 
 def effective_stale_after_s(stale_metrics_s: float, interval_s: float, last_pass_s: float) -> float:

@@ -72,3 +72,16 @@ class Revision(msgspec.Struct, frozen=True, array_like=True):
     publisher_epoch: int
     batch_sequence: int
     batch_samples: int
+
+
+class BatchOrder(msgspec.Struct, frozen=True, array_like=True):
+    """Ordering metadata of a batch without revision metadata (a verdict-only batch).
+
+    Receivers order every batch by (publisher_epoch, batch_sequence): a qualified batch by
+    its Revision, any other by this. Its sequence comes from the same per-epoch counter,
+    so both kinds interleave in publication order even after the wall clock stepped back.
+    It carries no learning metadata: a batch with only an order still disables learning.
+    """
+
+    publisher_epoch: int
+    batch_sequence: int

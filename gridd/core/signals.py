@@ -18,13 +18,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import msgspec
+
 from gridd.core.exposition import Exposition
 from gridd.core.readings import LoadSignals, UnitLoad
 
 __all__ = [
     "WANTED_SAMPLES",
     "LOAD_SAMPLES",
+    "Derivation",
+    "derive",
     "derive_load",
+    "kind_mismatch",
+    "legacy_sample_count",
     "pool_names",
     "sample_count",
 ]
@@ -101,9 +107,67 @@ def pool_names(expo: Exposition) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def derive_load(expo: Exposition, *, pool: str | None = None,
-                queue_full_at: float | None = None) -> LoadSignals:
-    """Derive one provider's LoadSignals from one exposition (one instant).
+def kind_mismatch(expo: Exposition, kind: str) -> str | None:
+    """Why a body is not of the configured metrics.kind, or None when it fits.
+
+    "epp" needs the EPP's pool series and "vllm" the engine's vllm:* series; a body
+    carrying only the other flavour's is refused. A body with neither (a standby EPP
+    replica) fits any kind: it derives nothing, and readiness stays unknown. "auto"
+    accepts everything.
+    """
+    has_epp, has_vllm = bool(pool_names(expo)), _has_vllm_series(expo)
+    if kind == "epp" and not has_epp and has_vllm:
+        return "metrics.kind is epp but the body is a vLLM engine's (vllm:* series, no EPP pool series)"
+    if kind == "vllm" and not has_vllm and has_epp:
+        return "metrics.kind is vllm but the body is an EPP's (pool series, no vllm:* series)"
+    return None
+
+
+class Derivation(msgspec.Struct, frozen=True):
+    """One scrape's load, and the fields left out of it because their values were out of
+    range. invalid: field -> why (the first offending value), e.g. ``{"kv_mean":
+    "llm_d_epp_average_kv_cache_utilization=87.5 is outside 0..1"}``; field names are
+    LoadSignals' (``kv_usage``, ``running``, ``waiting``, ``in_flight`` also name the
+    per-unit values), a bounded set."""
+
+    load: LoadSignals
+    invalid: dict[str, str] = {}
+
+
+class _Checked:
+    """Reads values against their range while a load is derived. A value out of range is
+    read as absent, and so is every field computed from it ("keep the fields that are
+    valid, publish the bad one as absent"); NaN and infinities stay silently absent, as a
+    gauge with no value is NaN in Prometheus."""
+
+    __slots__ = ("invalid",)
+
+    def __init__(self) -> None:
+        self.invalid: dict[str, str] = {}
+
+    def _bad(self, field: str, where: str, value: float, rule: str) -> None:
+        self.invalid.setdefault(field, f"{where}={value:g} {rule}")
+
+    def count(self, field: str, where: str, value: float | None) -> float | None:
+        value = _finite(value)
+        if value is not None and value < 0:
+            self._bad(field, where, value, "is negative")
+            return None
+        return value
+
+    def fraction(self, field: str, where: str, value: float | None) -> float | None:
+        value = _finite(value)
+        if value is not None and not 0.0 <= value <= 1.0:
+            # E.g. KV-cache usage on a 0-100 scale (seen on a third-party vLLM mock).
+            self._bad(field, where, value, "is outside 0..1")
+            return None
+        return value
+
+
+def derive(expo: Exposition, *, pool: str | None = None, queue_full_at: float | None = None,
+           kind: str = "auto") -> Derivation:
+    """Derive one provider's load from one exposition (one instant), leaving out the fields
+    whose values are out of range (see Derivation, _Checked).
 
     pool: the InferencePool name (the ``name`` label). None picks the only pool the
         exposition reports; with several pools and no name the reading is ambiguous and
@@ -111,7 +175,26 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
         guessing would publish another pool's load under this provider.
     queue_full_at: a unit whose waiting count is at or above this is queue-full
         (shedding's "queue_full per serving unit"); None counts no unit as full.
+    kind: the provider's metrics.kind. "epp" reads only the EPP families, "vllm" only the
+        engine's; "auto" tells them apart (EPP pool series first). A body without the
+        named flavour's series derives nothing (the caller refuses one of the other
+        flavour first: see kind_mismatch).
     """
+    checked = _Checked()
+    load = _derive(expo, pool, queue_full_at, kind, checked)
+    return Derivation(load, checked.invalid)
+
+
+def derive_load(expo: Exposition, *, pool: str | None = None,
+                queue_full_at: float | None = None, kind: str = "auto") -> LoadSignals:
+    """The load of derive(...), without the account of what was left out."""
+    return derive(expo, pool=pool, queue_full_at=queue_full_at, kind=kind).load
+
+
+def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kind: str,
+            checked: _Checked) -> LoadSignals:
+    if kind == "vllm":
+        return _derive_vllm(expo, queue_full_at, checked) if _has_vllm_series(expo) else LoadSignals()
     pools = pool_names(expo)
     if pools:
         if pool is None:
@@ -120,25 +203,42 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
             pool = pools[0]
         if pool not in pools:
             return LoadSignals()
-        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at)
-    if any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV)):
-        return _derive_vllm(expo, queue_full_at)
+        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at, checked=checked)
+    if kind == "auto" and _has_vllm_series(expo):
+        return _derive_vllm(expo, queue_full_at, checked)
     return LoadSignals()
 
 
-def sample_count(load: LoadSignals) -> int:
-    """The batch's load-sample count (``batch_samples``; DESIGN 5: a batch "carries its
-    sample count").
+def _has_vllm_series(expo: Exposition) -> bool:
+    """Whether the exposition carries any vLLM engine load series."""
+    return any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
 
-    One sample per serving unit in ``load.units``, plus one pool-level sample when the
-    batch carries any fresh pool-level load (avg_running, avg_waiting, kv_mean or
-    in_flight). A provider with no fresh endpoint therefore counts 0, which is what the
-    spec's "A zero-sample revision invalidates learning" needs. ready_endpoints and
-    flow_queue are not load samples: they are stamped even when nothing is fresh.
+
+def sample_count(load: LoadSignals) -> int:
+    """The batch's load-sample count (``batch_samples``): one per serving unit.
+
+    DESIGN 5: a batch "carries its sample count", and its load samples are per serving
+    unit. So the count is ``len(load.units)``; a batch that has fresh pool-level load
+    (avg_running, avg_waiting, kv_mean or in_flight) but no per-unit series counts the
+    pool as its one sample. A provider with no fresh endpoint carries neither and counts
+    0, which is what the spec's "A zero-sample revision invalidates learning" needs.
+    ready_endpoints and flow_queue are not load samples: they are stamped even when
+    nothing is fresh.
     """
-    pool_sample = any(v is not None for v in
-                      (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
-    return len(load.units) + (1 if pool_sample else 0)
+    if load.units:
+        return len(load.units)
+    return 1 if _has_pool_sample(load) else 0
+
+
+def legacy_sample_count(load: LoadSignals) -> int:
+    """The count operators published before it was per serving unit: the units plus one
+    for the pool-level load. Receivers still accept it on a complete batch, so a fleet
+    upgraded one site at a time keeps admitting the older sites' batches."""
+    return len(load.units) + (1 if _has_pool_sample(load) else 0)
+
+
+def _has_pool_sample(load: LoadSignals) -> bool:
+    return any(v is not None for v in (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
 
 
 def _first_for_pool(expo: Exposition, families: Iterable[str], pool: str) -> float | None:
@@ -159,7 +259,7 @@ def _queue_full(units: Iterable[UnitLoad], queue_full_at: float | None) -> int:
     return sum(1 for u in units if u.waiting is not None and u.waiting >= queue_full_at)
 
 
-def _inflight_per_endpoint(expo: Exposition) -> dict[tuple[str, str], float]:
+def _inflight_per_endpoint(expo: Exposition, checked: _Checked) -> dict[tuple[str, str], float]:
     """Each endpoint's in-flight count: sum over flows within a producer, max over producers.
 
     Series are keyed (endpoint_name, namespace, producer_name, fairness_id, priority). A
@@ -169,9 +269,13 @@ def _inflight_per_endpoint(expo: Exposition) -> dict[tuple[str, str], float]:
     producer instances" rather than adding them.
     """
     per_producer: dict[tuple[str, str], dict[str, float]] = {}
-    for labels, value in expo.samples.get(_INFLIGHT, ()):
-        if not math.isfinite(value):
-            continue
+    for labels, raw in expo.samples.get(_INFLIGHT, ()):
+        value = checked.count("in_flight", _INFLIGHT, raw)
+        if value is None:
+            if not math.isfinite(raw):
+                continue
+            # One negative count makes the per-endpoint estimate (a sum) unknowable.
+            return {}
         endpoint = (labels.get("namespace", ""), labels.get("endpoint_name", ""))
         producers = per_producer.setdefault(endpoint, {})
         producer = labels.get("producer_name", "")
@@ -180,10 +284,10 @@ def _inflight_per_endpoint(expo: Exposition) -> dict[tuple[str, str], float]:
 
 
 def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
-                queue_full_at: float | None) -> LoadSignals:
-    ready_raw = _finite(_first_for_pool(expo, _READY, pool))
+                queue_full_at: float | None, checked: _Checked) -> LoadSignals:
+    ready_raw = checked.count("ready_endpoints", _READY[0], _first_for_pool(expo, _READY, pool))
     # Bounded: a wild value must not become an integer the wire cannot carry.
-    ready = None if ready_raw is None else min(MAX_READY_ENDPOINTS, max(0, int(ready_raw)))
+    ready = None if ready_raw is None else min(MAX_READY_ENDPOINTS, int(ready_raw))
 
     # Flow control labels its series with inference_pool (the --pool-name flag), which is
     # empty in endpoint-selector mode. A stock EPP serves one pool, so with one pool in the
@@ -192,8 +296,11 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
     flow_family = next((f for f in _FLOW_QUEUE if expo.samples.get(f)), None)
     flow_queue = 0.0
     if flow_family is not None:
-        for labels, value in expo.samples[flow_family]:
-            if math.isfinite(value) and (not multi_pool or labels.get("inference_pool") == pool):
+        for labels, raw in expo.samples[flow_family]:
+            if multi_pool and labels.get("inference_pool") != pool:
+                continue
+            value = checked.count("flow_queue", flow_family, raw)
+            if value is not None:
                 flow_queue += value
 
     # "A site with no fresh endpoint publishes nothing, since its averages are frozen":
@@ -203,23 +310,29 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
     if ready == 0:
         return LoadSignals(ready_endpoints=0, flow_queue=flow_queue)
 
-    avg_running = _finite(_first_for_pool(expo, _AVG_RUNNING, pool))
-    avg_waiting = _finite(_first_for_pool(expo, _AVG_WAITING, pool))
-    kv_mean = _finite(_first_for_pool(expo, _AVG_KV, pool))
-    kv_spread = _finite(_first_for_pool(expo, (_STD_KV,), pool))
+    avg_running = checked.count("avg_running", _AVG_RUNNING[0], _first_for_pool(expo, _AVG_RUNNING, pool))
+    avg_waiting = checked.count("avg_waiting", _AVG_WAITING[0], _first_for_pool(expo, _AVG_WAITING, pool))
+    kv_mean = checked.fraction("kv_mean", _AVG_KV[0], _first_for_pool(expo, _AVG_KV, pool))
+    # A spread of 0..1 fractions is itself within 0..1; one outside is on another scale.
+    kv_spread = checked.fraction("kv_spread", _STD_KV, _first_for_pool(expo, (_STD_KV,), pool))
+    if "kv_mean" in checked.invalid and kv_spread is not None:
+        # The spread of the same per-endpoint values, so on the same wrong scale.
+        kv_spread = None
+        checked.invalid.setdefault("kv_spread", "left out with kv_mean (the same endpoints' values)")
 
     # "The per-endpoint count carries no pool label, so an EPP serving several pools falls
     # back to the averages alone."
-    inflight = {} if multi_pool else _inflight_per_endpoint(expo)
+    inflight = {} if multi_pool else _inflight_per_endpoint(expo, checked)
     inflight_by_name: dict[str, float] = {}
     for (_, name), count in inflight.items():
         inflight_by_name[name] = inflight_by_name.get(name, 0.0) + count
 
-    waiting_by_endpoint: dict[str, float] = {}
+    waiting_by_endpoint: dict[str, float | None] = {}
     for family, endpoint_label in _PER_ENDPOINT:
-        for labels, value in expo.samples.get(family, ()):
-            if labels.get("name") == pool and math.isfinite(value):
-                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""), value)
+        for labels, raw in expo.samples.get(family, ()):
+            if labels.get("name") == pool and math.isfinite(raw):
+                # A negative count leaves the endpoint listed, its waiting count absent.
+                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""), checked.count("waiting", family, raw))
         if waiting_by_endpoint:
             break
     # The EPP exposes no per-endpoint running count or KV usage: running and kv_usage stay
@@ -268,40 +381,54 @@ def _sample_std_dev(values: list[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def _derive_vllm(expo: Exposition, queue_full_at: float | None) -> LoadSignals:
+def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checked) -> LoadSignals:
     """A provider pointed at vLLM's own /metrics: one unit per data-parallel engine.
 
     No ready-endpoint series exists, so ready_endpoints is None ("leaves readiness
-    unknown, not false, and does not exclude").
+    unknown, not false, and does not exclude"). An engine value out of range is absent
+    for that engine, and the pool figure computed from it (mean, spread, in-flight) is
+    absent too: a mean over the other engines would not describe the pool.
     """
-    def per_engine(families: tuple[str, ...]) -> dict[str, float]:
+    def per_engine(families: tuple[str, ...], field: str, *, fraction: bool = False) -> dict[str, float | None]:
+        read = checked.fraction if fraction else checked.count
         for family in families:
-            found: dict[str, float] = {}
-            for labels, value in expo.samples.get(family, ()):
-                if math.isfinite(value):
-                    found.setdefault(labels.get("engine", "0"), value)
+            found: dict[str, float | None] = {}
+            for labels, raw in expo.samples.get(family, ()):
+                if math.isfinite(raw):
+                    found.setdefault(labels.get("engine", "0"), read(field, family, raw))
             if found:
                 return found
         return {}
 
-    running = per_engine((_VLLM_RUNNING,))
-    waiting = per_engine((_VLLM_WAITING,))
-    kv = per_engine(_VLLM_KV)
+    running = per_engine((_VLLM_RUNNING,), "running")
+    waiting = per_engine((_VLLM_WAITING,), "waiting")
+    kv = per_engine(_VLLM_KV, "kv_usage", fraction=True)
     engines = sorted(set(running) | set(waiting) | set(kv), key=lambda e: (len(e), e))
     units = tuple(UnitLoad(unit=e, running=running.get(e), waiting=waiting.get(e), kv_usage=kv.get(e))
                   for e in engines)
 
+    def complete(values: dict[str, float | None]) -> list[float] | None:
+        """Every engine's value, or None when one of them was out of range."""
+        kept = [v for v in values.values() if v is not None]
+        return kept if len(kept) == len(values) else None
+
+    running_values, waiting_values, kv_values = complete(running), complete(waiting), complete(kv)
+    for values, source, figures in ((running_values, "running", ("avg_running", "in_flight")),
+                                    (waiting_values, "waiting", ("avg_waiting", "in_flight")),
+                                    (kv_values, "kv_usage", ("kv_mean", "kv_spread"))):
+        if values is None:
+            for figure in figures:
+                checked.invalid.setdefault(figure, f"left out with {source} (computed from every engine's value)")
     in_flight = None
-    if running or waiting:
-        in_flight = sum(running.values()) + sum(waiting.values())
-    kv_values = [kv[e] for e in engines if e in kv]
+    if (running or waiting) and running_values is not None and waiting_values is not None:
+        in_flight = sum(running_values) + sum(waiting_values)
     return LoadSignals(
         ready_endpoints=None,
         units=units,
-        avg_running=_mean([running[e] for e in engines if e in running]),
-        avg_waiting=_mean([waiting[e] for e in engines if e in waiting]),
-        kv_mean=_mean(kv_values),
-        kv_spread=_sample_std_dev(kv_values),
+        avg_running=_mean(running_values or []),
+        avg_waiting=_mean(waiting_values or []),
+        kv_mean=_mean(kv_values or []),
+        kv_spread=_sample_std_dev(kv_values or []),
         flow_queue=0.0,
         in_flight=in_flight,
         queue_full_units=_queue_full(units, queue_full_at),

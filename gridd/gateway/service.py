@@ -13,7 +13,6 @@ import hashlib
 import logging
 import random
 import secrets
-import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -26,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse_signals_url
+from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
@@ -185,7 +185,7 @@ class GatewayService:
         loaded: LoadedConfig,
         registry: CollectorRegistry,
         *,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] = wall_clock,
         rng: random.Random | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         ingress_transport: httpx.AsyncBaseTransport | None = None,

@@ -123,7 +123,8 @@ class ProviderCollector(Collector):
                                         "Exposition lines skipped as malformed.", labels=LABELS)
         unpublishable = CounterMetricFamily(
             "grid_provider_unpublishable_readings",
-            "Scrapes whose values receivers would reject (published as a verdict alone).", labels=LABELS)
+            "Readings with values receivers would reject, by reason: a field name (published "
+            "without that field) or payload (published as a verdict alone).", labels=[*LABELS, "reason"])
         for pub in self.publishers():
             labels = [pub.site, pub.provider]
             s = pub.summary
@@ -131,7 +132,8 @@ class ProviderCollector(Collector):
             for reason, count in sorted(s.failures.items()):
                 failures.add_metric([*labels, reason], count)
             malformed.add_metric(labels, s.malformed_lines)
-            unpublishable.add_metric(labels, s.invalid_payloads)
+            for reason, count in sorted(s.unpublishable.items()):
+                unpublishable.add_metric([*labels, reason], count)
         yield from (scrapes, failures, malformed, unpublishable)
         last = self.last_pass_s()
         if last is not None:

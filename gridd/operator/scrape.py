@@ -21,6 +21,8 @@ import trio
 
 log = logging.getLogger("gridd.scrape")
 
+# What a scrape itself can fail with; the publisher adds "wrong_kind" (a body not of the
+# configured metrics.kind; gridd.core.readiness.FAILURE_CLASSES has every class).
 FAILURE_CLASSES = ("timeout", "connect", "tls", "http_status", "body_cap", "parse")
 
 
@@ -130,18 +132,24 @@ class ScrapePool:
         self.on_result = on_result
         self.on_pass = on_pass
         self.last_pass_s: float | None = None
+        # When the running pass started (None between passes): the readiness floor counts
+        # a running pass once it has run longer than the last one (measured_pass_s).
+        self.pass_started_at: float | None = None
         self.passes = 0
         self.max_in_flight_seen = 0
         self.result_errors = 0
         self._in_flight = 0
 
     async def run_pass(self, targets: Sequence[ScrapeTarget]) -> float:
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for target in targets:
-                token = object()
-                await self.limiter.acquire_on_behalf_of(token)
-                nursery.start_soon(self._scrape_released, target, token, name=f"scrape:{target.provider}")
+        start = self.pass_started_at = trio.current_time()
+        try:
+            async with trio.open_nursery() as nursery:
+                for target in targets:
+                    token = object()
+                    await self.limiter.acquire_on_behalf_of(token)
+                    nursery.start_soon(self._scrape_released, target, token, name=f"scrape:{target.provider}")
+        finally:
+            self.pass_started_at = None
         duration = trio.current_time() - start
         self.last_pass_s = duration
         self.passes += 1

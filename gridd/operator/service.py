@@ -11,7 +11,6 @@ import itertools
 import logging
 import random
 import ssl
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
@@ -24,12 +23,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
+from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
-from gridd.core.readiness import Verdict, effective_stale_after_s
+from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import serve_asgi
@@ -47,7 +47,7 @@ from gridd.operator.signals import (
 )
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
-from gridd.state import ProviderRevision, StateDir, write_durably
+from gridd.state import EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
 
@@ -92,7 +92,7 @@ class OperatorService:
         loaded: LoadedConfig,
         registry: CollectorRegistry,
         *,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] = wall_clock,
         client: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
         open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PeerLink]] | None = None,
@@ -109,8 +109,17 @@ class OperatorService:
         self.holdings = Holdings()
         self.fences = AdmissionFences(future_epoch_bound_s=loaded.config.timings.future_epoch_bound_s)
         self.publishers: dict[str, ProviderPublisher] = {}
+        # The provider revisions last committed (and written to the state directory).
+        self.revisions: dict[str, ProviderRevision] = {}
         self._providers_by_name: dict[str, ProviderConfig] = {}
         self.publisher_epoch: int | None = None
+        self._epoch_lock = trio.Lock()
+        self._epoch_claim_failing = False
+        self._epoch_clock_resets = Counter(
+            "grid_operator_publisher_epoch_clock_resets",
+            "Publisher epochs restarted from the wall clock because the previous one was more than "
+            "future_epoch_bound_s ahead of it (a clock that ran ahead and was corrected).",
+            registry=registry)
         # One sequence for every batch this operator publishes in its epoch: strictly
         # increasing per provider even across a delete and re-create (see publication.py).
         self._sequence = itertools.count(1)
@@ -199,9 +208,11 @@ class OperatorService:
         check_operator_config(self.loaded)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
         # DESIGN 5: the publisher epoch is written durably before the first publication.
-        self.publisher_epoch = await trio.to_thread.run_sync(self.state.claim_publisher_epoch, self.wall())
-        revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
-        self._apply_providers(revisions)
+        claim = await trio.to_thread.run_sync(partial(
+            self.state.claim_publisher_epoch, self.wall(), future_bound_s=self.config.timings.future_epoch_bound_s))
+        self._adopt_epoch(claim)
+        self.revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
+        self._apply_providers(self.revisions)
         await self.load_gateway_evidence()
         log.info("publisher epoch %d; %d providers", self.publisher_epoch, len(self.publishers))
         timings = self.config.timings
@@ -313,9 +324,11 @@ class OperatorService:
 
     def _stale_after_s(self) -> float:
         t = self.config.timings
-        last_pass = self.pool.last_pass_s if self.pool is not None and self.pool.last_pass_s is not None else 0.0
-        # The readiness floor (one interval + max(interval, last pass)) overrides
-        # staleMetricsSeconds when longer (spec: Provider Readiness).
+        pool = self.pool
+        # The readiness floor (one interval + max(interval, latest measured pass)) overrides
+        # staleMetricsSeconds when longer (spec: Provider Readiness). The pass still running
+        # counts as soon as it has run longer than the last finished one.
+        last_pass = measured_pass_s(pool.last_pass_s, pool.pass_started_at, trio.current_time()) if pool else 0.0
         return effective_stale_after_s(t.effective_stale_metrics_s, t.scrape_interval_s, last_pass)
 
     def _current_verdict(self, publisher: ProviderPublisher) -> Verdict:
@@ -323,7 +336,44 @@ class OperatorService:
         return publisher.current_verdict(trio.current_time(), stale_after_s=self._stale_after_s(),
                                          unavailable=provider is not None and provider.unavailable)
 
-    def _on_scrape(self, result: ScrapeResult) -> None:
+    # -- publisher epoch -------------------------------------------------------------------
+
+    def _adopt_epoch(self, claim: EpochClaim) -> None:
+        self.publisher_epoch = claim.epoch
+        for publisher in self.publishers.values():
+            publisher.publisher_epoch = claim.epoch
+        if claim.discarded is not None:
+            self._epoch_clock_resets.inc()
+            log.warning("publisher epoch %d was %d s ahead of the wall clock, beyond the %g s skew bound "
+                        "receivers apply: restarted the epoch from the clock at %d", claim.discarded,
+                        claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s, claim.epoch)
+
+    def _epoch_beyond_clock(self) -> bool:
+        epoch = self.publisher_epoch
+        return epoch is not None and epoch > self.wall() + self.config.timings.future_epoch_bound_s
+
+    async def _reclaim_epoch(self) -> None:
+        """The wall clock stepped back while running, so far that every receiver whose clock
+        agrees drops this epoch as skew: claim a new one from the clock (durably, before
+        anything is published under it) instead of publishing into a lock-out."""
+        async with self._epoch_lock:
+            if not self._epoch_beyond_clock():
+                return  # claimed meanwhile, for another provider's result
+            try:
+                claim = await self._state_io(partial(
+                    self.state.claim_publisher_epoch, self.wall(),
+                    future_bound_s=self.config.timings.future_epoch_bound_s))
+            except StateError as exc:
+                if not self._epoch_claim_failing:
+                    log.error("publisher epoch is beyond the skew bound, but a new one cannot be claimed: %s", exc)
+                self._epoch_claim_failing = True
+                return
+            self._epoch_claim_failing = False
+            self._adopt_epoch(claim)
+
+    async def _on_scrape(self, result: ScrapeResult) -> None:
+        if self._epoch_beyond_clock():
+            await self._reclaim_epoch()
         publisher = self.publishers.get(result.provider)
         provider = self._providers_by_name.get(result.provider)
         if publisher is None or provider is None:
@@ -338,6 +388,15 @@ class OperatorService:
             unavailable=provider.unavailable,
         )
         self._log_transitions(publisher, result.finished_at)
+        summary = publisher.summary
+        if publisher.invalid_fields_changed:
+            # Once per transition, not per scrape: which fields are left out, and why.
+            if summary.invalid_fields:
+                log.warning("provider %s: reading published without %s: %s", result.provider,
+                            ", ".join(summary.invalid_fields),
+                            "; ".join(f"{field}: {why}" for field, why in summary.invalid_fields.items()))
+            else:
+                log.info("provider %s: every field of the reading is valid again", result.provider)
         self.holdings.hold(batch, result.finished_at)
 
     def _log_transitions(self, publisher: ProviderPublisher, now: float) -> None:
@@ -379,19 +438,23 @@ class OperatorService:
         t = cfg.timings
         for provider in cfg.providers:
             rev = revisions[provider.name]
-            pool = provider.metrics.pool if provider.metrics else None
-            queue_full_at = provider.metrics.queue_full_at if provider.metrics else None
+            source = provider.metrics
+            pool = source.pool if source else None
+            queue_full_at = source.queue_full_at if source else None
+            kind = source.kind if source else "auto"
+            adapters = tuple(source.adapters) if source else ()
             existing = self.publishers.get(provider.name)
             if existing is None:
                 self.publishers[provider.name] = ProviderPublisher(
                     site=cfg.site, provider=provider.name, model=provider.model, provider_uid=rev.uid,
                     generation=rev.generation, publisher_epoch=self.publisher_epoch or 0, created_at=now,
-                    next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, latency_window_s=t.latency_window_s,
+                    next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, kind=kind,
+                    adapters=adapters, latency_window_s=t.latency_window_s,
                     latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
                 )
             else:
                 existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
-                                     pool=pool, queue_full_at=queue_full_at)
+                                     pool=pool, queue_full_at=queue_full_at, kind=kind, adapters=adapters)
                 existing.retune(latency_window_s=t.latency_window_s, latency_min_completed=t.latency_min_completed,
                                 engine_answer_window_s=t.engine_answer_window_s)
 
@@ -409,11 +472,18 @@ class OperatorService:
             raise ConfigError("tls: added or removed; restart gridd to apply")
         # A bad certificate/key/CA rejects the reload; the old material keeps serving.
         tls = await trio.to_thread.run_sync(load_signals_tls, new, self.wall())
-        # Provider revisions are persisted here, last, once everything else checked out.
-        revisions = await trio.to_thread.run_sync(self.state.sync_providers, new.config.providers)
+        # Staging changes nothing durable: the revisions are planned from the committed ones
+        # and written by commit(), so a rejected reload leaves the state directory as it was.
+        revisions = plan_revisions(self.revisions, new.config.providers)
         return StagedOperator(new, revisions, tls)
 
     def commit(self, staged: StagedOperator) -> None:
+        """Swap the staged config in. The changed provider revisions are written first
+        (one small file, replaced atomically): if that fails, StateError rejects the reload
+        before anything was swapped, and the file on disk is the old one."""
+        if staged.revisions != self.revisions:
+            self.state.write_revisions(staged.revisions)
+        self.revisions = staged.revisions
         old = self.config
         self.loaded = staged.loaded
         t = self.config.timings
@@ -479,6 +549,7 @@ class OperatorService:
                 "scrape_age_s": None if s.last_scrape_at is None else round(now - s.last_scrape_at, 3),
                 "failure_class": s.last_failure_class,
                 "failure_detail": s.last_failure_detail,
+                "invalid_fields": dict(s.invalid_fields),
                 "provider_uid": pub.provider_uid,
                 "generation": pub.generation,
                 "batch_sequence": pub.sequence,
