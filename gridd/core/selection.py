@@ -189,3 +189,77 @@ def _spec_tiers(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
         return _route(_by_capacity(snapshot.not_full, rng), "not_full")
     # Fresh candidates are in room, not_full or (all of them) full.
     return Full(_route(_by_capacity(snapshot.full, rng), "full"))
+
+
+# -- explain: the exact chance of each pick (gridctl explain) -----------------------------------
+
+
+def _pair_chances(tier: Tier, winner: Callable[[CandidateView, CandidateView], CandidateView]) -> dict[int, float]:
+    """P(each candidate is taken) when two are drawn by capacity and ``winner`` decides:
+    P(first = i, second = j) = (c_i / T) x (c_j / (T - c_i)), summed over ordered pairs."""
+    chances: dict[int, float] = {}
+    total = tier.total
+    members = tier.candidates
+    for i, first in enumerate(members):
+        p_first = tier.capacities[i] / total
+        rest = total - tier.capacities[i]
+        for j, second in enumerate(members):
+            if i == j:
+                continue
+            p = p_first * tier.capacities[j] / rest
+            taken = winner(first, second)
+            key = i if taken is first else j
+            chances[key] = chances.get(key, 0.0) + p
+    return chances
+
+
+def _tier_chances(tier: Tier, winner: Callable[[CandidateView, CandidateView], CandidateView],
+                  scale: float = 1.0) -> dict[tuple[str, str], float]:
+    if len(tier) == 1:
+        return {(tier.candidates[0].site, tier.candidates[0].provider): scale}
+    return {(tier.candidates[k].site, tier.candidates[k].provider): scale * p
+            for k, p in _pair_chances(tier, winner).items()}
+
+
+def pick_chances(snapshot: OrderedSnapshot, *, rule: PickRule = "two_choices",
+                 extra_rho: ExtraRho | None = None) -> dict[tuple[str, str], float]:
+    """The exact probability that :func:`pick` takes each (site, provider) on this snapshot
+    (with the same pending load): what ``gridctl explain`` shows. Empty when no candidate
+    can be picked (503/404). Sums to 1 otherwise."""
+    extra = extra_rho or _no_extra
+    if snapshot.fresh:
+        if rule == "spec_tiers":
+            return _spec_tier_chances(snapshot)
+        fresh = snapshot.fresh
+        if len(fresh) == 1:
+            return _tier_chances(fresh, lambda a, b: a)
+        chances: dict[tuple[str, str], float] = {}
+        redraw = 0.0
+        for k, p in _pair_chances(fresh, lambda a, b: b if _rank(b, extra) < _rank(a, extra) else a).items():
+            view = fresh.candidates[k]
+            if view.full and not snapshot.all_full:
+                redraw += p  # both drawn were full: drawn again from the best tier not full
+            else:
+                chances[(view.site, view.provider)] = chances.get((view.site, view.provider), 0.0) + p
+        if redraw:
+            tier = snapshot.room if snapshot.room else snapshot.not_full
+            for key, p in _tier_chances(tier, _less_backlogged, redraw).items():
+                chances[key] = chances.get(key, 0.0) + p
+        return chances
+    if snapshot.stale:
+        stale = snapshot.stale
+        return {(v.site, v.provider): c / stale.total for v, c in zip(stale.candidates, stale.capacities, strict=True)}
+    return {}
+
+
+def _spec_tier_chances(snapshot: OrderedSnapshot) -> dict[tuple[str, str], float]:
+    room = snapshot.room
+    if len(room) >= 3:
+        return _tier_chances(room, lambda a, b: b if b.rho < a.rho else a)
+    if len(room) == 2:
+        first, second = room.candidates
+        return {(first.site, first.provider): snapshot.pair_first_p,
+                (second.site, second.provider): 1.0 - snapshot.pair_first_p}
+    if len(room) == 1:
+        return _tier_chances(room, lambda a, b: a)
+    return _tier_chances(snapshot.not_full if snapshot.not_full else snapshot.full, _less_backlogged)

@@ -37,7 +37,7 @@ from gridd.core.decisions import Decision, Forward, Shed, Unavailable, UnknownMo
 from gridd.core.ordering import CandidateView, OrderedSnapshot, build_snapshot, candidate_view
 from gridd.core.pending import DEFAULT_PENDING_WEIGHT, RecentSends
 from gridd.core.readings import LoadSignals
-from gridd.core.selection import Full, NoCandidates, NoneHealthy, PickRule, Route, pick
+from gridd.core.selection import ExtraRho, Full, NoCandidates, NoneHealthy, PickRule, Route, pick
 from gridd.core.shedding import ShedState
 from gridd.wire import Batch, ServingConfig
 
@@ -294,7 +294,7 @@ class GatewayStore:
         if self.knobs.shedding and snapshot.ordered and shed is not None and shed.shedding(now):
             return Shed(shed.retry_after_s(now))
         outcome = pick(snapshot, rng, rule=self.knobs.pick_rule,
-                       extra_rho=self._pending_rho(now) if self.knobs.pending_weight > 0 else None)
+                       extra_rho=self.pending_rho(now) if self.knobs.pending_weight > 0 else None)
         if isinstance(outcome, Full):
             outcome = outcome.route  # shedding off, or not yet full for full_after_ms: route
         if isinstance(outcome, Route):
@@ -307,7 +307,8 @@ class GatewayStore:
             return UnknownModel()
         return Unavailable(snapshot.none_healthy_retry_after_s, cause=self._unavailable_cause(snapshot, now))
 
-    def _pending_rho(self, now: float):  # noqa: ANN202 - a closure for pick()
+    def pending_rho(self, now: float) -> ExtraRho:
+        """The rho each candidate's pending sends add at ``now`` (what pick() and explain use)."""
         weight, candidates, sends = self.knobs.pending_weight, self.candidates, self.sends
 
         def extra_rho(view: CandidateView) -> float:
