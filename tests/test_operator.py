@@ -15,6 +15,7 @@ import sys
 import time
 
 import httpx
+import msgspec
 import pytest
 import trio
 from prometheus_client import CollectorRegistry
@@ -335,3 +336,22 @@ def test_a_body_of_too_many_lines_fails_as_parse_before_parsing():
                           stale_after_s=10, unavailable=False)
     assert batch.revision is None and pub.summary.failures == {"parse": 1}
     assert pub.summary.malformed_lines == 0  # never parsed
+
+
+def test_scrape_target_sends_the_providers_key_to_its_own_origin_only():
+    """docs/security.md: the issue's leak (metrics.url moved to another host got
+    `authorization: Bearer <key>` on every scrape) ends; metrics.auth names an EPP's token."""
+    from gridd.config import ProviderConfig
+    from gridd.operator.service import scrape_target
+
+    def target(metrics):
+        p = msgspec.convert({"name": "p", "model": "m", "metrics": metrics,
+                             "settings": {"endpoint": "http://127.0.0.1:8000/v1",
+                                          "auth": {"scheme": "bearer", "api_key": "sk-provider"}}}, ProviderConfig)
+        return scrape_target(p).headers
+
+    assert target({"url": "http://127.0.0.1:8000/metrics"}) == {"authorization": "Bearer sk-provider"}
+    assert target({"url": "http://evil.example:8000/metrics"}) == {}
+    assert target({"url": "http://127.0.0.1:9090/metrics"}) == {}
+    assert target({"url": "http://127.0.0.1:9090/metrics",
+                   "auth": {"scheme": "bearer", "api_key": "epp-token"}}) == {"authorization": "Bearer epp-token"}
