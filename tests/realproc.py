@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -35,3 +38,14 @@ def wait_until(check, what: str, deadline_s: float = 30.0):
             last = exc
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+def gridctl(sock, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run gridctl against the control socket ``sock`` (the installed console script's code)."""
+    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30, input=stdin)
+
+
+def gridctl_status(sock) -> dict | None:
+    out = gridctl(sock, "status", "--json")
+    return json.loads(out.stdout)["status"] if out.returncode == 0 else None

@@ -18,7 +18,7 @@ import pytest
 import trio
 import yaml
 from prometheus_client import CollectorRegistry
-from realproc import free_ports, wait_until
+from realproc import free_ports, gridctl_status, wait_until
 
 from gridd.api.providers import (
     MASK,
@@ -539,10 +539,6 @@ async def test_operator_stage_guards_the_api(tmp_path):
 
 
 
-def gridctl_status(sock) -> dict | None:
-    out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                          "--socket", str(sock), "status", "--json"], capture_output=True, text=True, timeout=30)
-    return json.loads(out.stdout)["status"] if out.returncode == 0 else None
 
 
 
@@ -570,7 +566,8 @@ def test_real_operator_serves_the_providers_api(tmp_path):
         # The control socket answers from the start, before the role's listeners are up.
         status = wait_until(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
                           "the operator serving")
-        assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer"}
+        assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer",
+                                                          "token_file": str(tmp_path / "state" / "api-token")}
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
 
         with httpx.Client(base_url=base, timeout=30) as client:

