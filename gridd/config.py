@@ -203,6 +203,18 @@ class ApiConfig(Base):
     empty, the API serves only on a loopback ``listen.http``."""
 
 
+class LimitsConfig(Base):
+    """Bounds on what an outsider controls (docs/security.md). The http_* ones apply to the
+    gateway's front and the operator's providers API, per listener; changing them needs a
+    restart."""
+
+    http_max_connections: PositiveInt = 1024
+    http_body_deadline_s: Positive = 30.0
+    http_max_buffered_bytes: PositiveInt = 64 * 1024 * 1024
+    peer_max_providers: PositiveInt = 1000
+    """Distinct provider names one peer operator's batches may hold at this operator."""
+
+
 # -- routing knobs (docs/routing.md) ----------------------------------------------------------
 
 
@@ -273,6 +285,7 @@ class Config(Base):
     peers: list[PeerConfig] = msgspec.field(default_factory=list)
     operator: OperatorLink | None = None
     api: ApiConfig = ApiConfig()
+    limits: LimitsConfig = LimitsConfig()
     timings: TimingConfig = TimingConfig()
     routing: RoutingConfig = RoutingConfig()
     availability: AvailabilityConfig = AvailabilityConfig()
@@ -554,6 +567,13 @@ def default_control_socket(cfg: Config | None, workspace: pathlib.Path | None, e
         return p if p.is_absolute() or workspace is None else workspace / p
     runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
     return pathlib.Path(runtime or "/run/gridd") / "gridd.sock"
+
+
+def http_limits(cfg: Config) -> dict[str, float | int]:
+    """serve_asgi's keyword arguments for the bounds of ``limits`` (docs/security.md)."""
+    lim = cfg.limits
+    return {"max_connections": lim.http_max_connections, "body_deadline_s": lim.http_body_deadline_s,
+            "max_buffered_bytes": lim.http_max_buffered_bytes}
 
 
 def diff(old: Config, new: Config) -> set[str]:

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer
-from gridd.config import Config, LoadedConfig
+from gridd.config import Config, LoadedConfig, http_limits
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, excluded_reason
@@ -235,7 +235,7 @@ class GatewayService:
     async def _serve_front(self, app, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await serve_asgi(app, [self.config.listen.http], stop_accepting=self._stop_accepting,
-                             task_status=task_status)
+                             task_status=task_status, **http_limits(self.config))
         finally:
             self._front_done.set()
 
@@ -344,6 +344,8 @@ class GatewayService:
     async def stage(self, new: LoadedConfig) -> StagedGateway:
         if new.config.listen.http != self.config.listen.http:
             raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
+        if http_limits(new.config) != http_limits(self.config):
+            raise GriddError("limits.http_*: changed; restart gridd to apply", reason="config")
         if new.config.tls is None:
             raise GriddError("tls: a gateway needs its certificate to poll its operator; keeping the old config",
                              reason="config")

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
-from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for
+from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for, http_limits
 from gridd.core.admission import AdmissionFences
 from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
@@ -176,7 +176,7 @@ class OperatorService:
         assert self.config.listen.http is not None
         try:
             await serve_asgi(self.api, [self.config.listen.http], stop_accepting=self._api_stop,
-                             task_status=task_status)
+                             task_status=task_status, **http_limits(self.config))
         finally:
             self._api_done.set()
 
@@ -371,6 +371,8 @@ class OperatorService:
         check_api_exposure(cfg)
         if cfg.listen.http != old.listen.http:
             raise ConfigError("listen.http: changed; restart gridd to apply")
+        if http_limits(cfg) != http_limits(old):
+            raise ConfigError("limits.http_*: changed; restart gridd to apply")
         if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
             # The HTTP pool is sized to the limiter at start (it must never be the smaller).
             raise ConfigError("timings.scrape_concurrency: changed; restart gridd to apply")
