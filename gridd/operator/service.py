@@ -131,7 +131,8 @@ class OperatorService:
                                         metrics=self.signals_metrics, wall=wall, feedback=self.take_feedback)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
                                     timings=lambda: self.config.timings, wall=wall,
-                                    open_link=open_peer_link or self._open_peer_link)
+                                    open_link=open_peer_link or self._open_peer_link,
+                                    limits=lambda: self.config.limits)
         registry.register(ProviderCollector(
             self.holdings,
             lambda: list(self.publishers.values()),
