@@ -44,8 +44,8 @@ from prometheus_client import CollectorRegistry, Counter
 from gridd.channel import ChannelError, ChannelLimits, SignalsSession, parse_signals_url
 from gridd.config import Config, LimitsConfig, LoadedConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences, Outcome
-from gridd.core.peer_intake import INTAKE_REFUSALS, NAME_MAX, PeerIntake
 from gridd.core.holdings import Holdings
+from gridd.core.peer_intake import INTAKE_REFUSALS, NAME_MAX, PeerIntake
 from gridd.errors import ConfigError
 from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material
 from gridd.wire import (
