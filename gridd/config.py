@@ -210,7 +210,7 @@ class LimitsConfig(Base):
 
     http_max_connections: PositiveInt = 1024
     http_body_deadline_s: Positive = 30.0
-    http_max_buffered_bytes: PositiveInt = 64 * 1024 * 1024
+    http_max_buffered_bytes: PositiveInt = 16 * 1024 * 1024
     peer_max_providers: PositiveInt = 1000
     """Distinct provider names one peer operator's batches may hold at this operator."""
 

@@ -67,9 +67,12 @@ DEFAULT_MAX_CONNECTIONS = 1024
 """Open connections per listener. Past it, a new connection evicts the longest-waiting one
 that is only waiting on its client (for a request head or body bytes); when every one is
 busy in the app, the new one gets 503 and is closed."""
-DEFAULT_MAX_BUFFERED_BYTES = 64 * 1024 * 1024
-"""Request-body bytes held at once across every connection of one server (from arrival until
-the request's response ends). A chunk that would pass it ends its request with 503."""
+DEFAULT_MAX_BUFFERED_BYTES = 16 * 1024 * 1024
+"""Bytes of request bodies still arriving, across every connection of one server: a body's
+bytes count from their arrival until the body is complete (or its request ends). A complete
+body is the app's, bounded by the app's own work (the front: the upstream's time); an
+incomplete one only by its client. A chunk that would pass the cap ends the request whose
+body has been arriving longest (503): a slow uploader loses its place, not a new request."""
 # Largest request body handed to the app. OpenAI-style chat requests with long contexts stay well
 # under this; anything bigger is refused with 413.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -210,7 +213,7 @@ async def _close_listeners(listeners: list[_Listener]) -> None:
 class _ServerState:
     """What every connection of one serve_asgi call shares."""
 
-    __slots__ = ("draining", "idle_scopes", "buffered_bytes", "_date_second", "_date_value")
+    __slots__ = ("draining", "idle_scopes", "buffered_bytes", "uploading", "_date_second", "_date_value")
 
     def __init__(self) -> None:
         self.draining = False
@@ -218,6 +221,8 @@ class _ServerState:
         self.idle_scopes: set[trio.CancelScope] = set()
         # Request-body bytes held by requests in flight (DEFAULT_MAX_BUFFERED_BYTES).
         self.buffered_bytes = 0
+        # Requests whose body is still arriving, oldest first (DEFAULT_MAX_BUFFERED_BYTES).
+        self.uploading: dict[_RequestCycle, None] = {}
         self._date_second = -1
         self._date_value = b""
 
@@ -417,7 +422,7 @@ class _H11Connection:
             try:
                 await self.app(scope, cycle.receive, cycle.send)
             finally:
-                self.state.buffered_bytes -= cycle.body_bytes
+                cycle.release_buffered()
         except Exception as exc:
             if not (cycle.disconnected and _only_disconnects(exc)):
                 logger.exception("ASGI app raised on %s %s", scope["method"], scope["path"])
@@ -519,6 +524,8 @@ class _RequestCycle:
         "over_budget",
         "pipeline_overflow",
         "body_deadline",
+        "buffered",
+        "wait_scope",
         "started",
         "status",
         "headers",
@@ -539,11 +546,32 @@ class _RequestCycle:
         self.pipeline_overflow = False
         # The whole body must have arrived by then (DEFAULT_BODY_DEADLINE_S).
         self.body_deadline = trio.current_time() + connection.limits.body_deadline_s
+        self.buffered = 0  # this request's share of _ServerState.buffered_bytes
+        self.wait_scope: trio.CancelScope | None = None  # while waiting for body bytes
         self.started = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_sent = False
         self.complete = False
+
+    def release_buffered(self) -> None:
+        self.c.state.buffered_bytes -= self.buffered
+        self.buffered = 0
+        self.c.state.uploading.pop(self, None)
+
+    def _make_room(self) -> bool:
+        """Over the buffered-bytes cap: end the oldest uploads (this one included, if it is
+        the oldest) until the bytes fit. True if this request may go on."""
+        state, cap = self.c.state, self.c.limits.max_buffered_bytes
+        while state.buffered_bytes > cap:
+            oldest = next(iter(state.uploading))
+            oldest.over_budget = True
+            oldest.release_buffered()
+            if oldest is self:
+                return False
+            if oldest.wait_scope is not None:
+                oldest.wait_scope.cancel()
+        return True
 
     async def receive(self) -> Message:
         if self.disconnected or self.over_limit or self.over_budget or self.body_timed_out or self.complete:
@@ -585,19 +613,21 @@ class _RequestCycle:
                 self.body_bytes += len(data)
                 state = self.c.state
                 state.buffered_bytes += len(data)
+                self.buffered += len(data)
+                state.uploading.setdefault(self, None)
                 if self.body_bytes > limit:
                     # Chunked body over the limit: the app sees the request vanish; the server
                     # answers 413 if the app had not started a response.
                     self.over_limit = True
                     return {"type": "http.disconnect"}
-                if state.buffered_bytes > self.c.limits.max_buffered_bytes:
-                    # Every request's body together over the server's budget: this one ends
-                    # (503 if no response started) instead of the process growing.
-                    self.over_budget = True
+                if state.buffered_bytes > self.c.limits.max_buffered_bytes and not self._make_room():
+                    # Every incomplete body together over the server's budget, and this one
+                    # the oldest: it ends (503 if no response started), the process stays put.
                     return {"type": "http.disconnect"}
                 chunks.append(data)
             elif event_type is h11.EndOfMessage:
                 self.body_done = True
+                self.release_buffered()  # complete: no longer the client's to hold back
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             elif event is h11.NEED_DATA:
                 # Hand over what is buffered before blocking on the socket.
@@ -611,11 +641,14 @@ class _RequestCycle:
                 listener = self.c.listener
                 with trio.CancelScope(deadline=min(trio.current_time() + self.c.limits.body_idle_s,
                                                    self.body_deadline)) as wait:
-                    listener.waiting[self.c] = wait
+                    listener.waiting[self.c] = self.wait_scope = wait
                     try:
                         data = await self.c.receive_bytes()
                     finally:
                         listener.waiting.pop(self.c, None)
+                        self.wait_scope = None
+                if self.over_budget:
+                    return {"type": "http.disconnect"}  # ended by _make_room for a newer upload
                 if data is None:
                     if self.c.evicted:
                         self.disconnected = True

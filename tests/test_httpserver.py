@@ -776,32 +776,44 @@ async def test_h11_connection_cap_refuses_with_503_when_every_connection_is_busy
             await raw.stream.aclose()
 
 
-async def test_h11_bodies_held_across_connections_are_capped_with_503():
+async def test_h11_incomplete_bodies_across_connections_are_capped_oldest_upload_first():
+    """The issue: 100 connections each sending 4 MiB, then a trickle, took the gateway from 140
+    to 518 MB. Incomplete bodies together are capped; past the cap the oldest upload ends
+    with 503, so a slow uploader loses its place, not a newcomer."""
     bodies = []
+    release = trio.Event()
 
     async def app(scope, receive, send):
         body = await read_body(receive)
         if body is None:
             return
-        bodies.append(len(body))
+        bodies.append((scope["path"], len(body)))
+        if scope["path"] == "/long-stream":
+            await release.wait()
         await respond(send, 200, b"ok")
 
     async with serving(app, "h11", max_buffered_bytes=1000) as urls:
-        first = await RawClient.connect(urls[0])
-        await first.stream.send_all(b"POST /a HTTP/1.1\r\nHost: t\r\nContent-Length: 1200\r\n\r\n" + b"x" * 600)
+        # A complete body is the app's: it stops counting, however long its response takes.
+        streaming = await RawClient.connect(urls[0])
+        await streaming.stream.send_all(b"POST /long-stream HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n"
+                                        + b"s" * 1000)
         await trio.testing.wait_all_tasks_blocked()
-        second = await RawClient.connect(urls[0])
-        await second.stream.send_all(b"POST /b HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n" + b"y" * 600)
-        assert (await second.response())[0] == 503  # 600 + 600 held > 1000
-        await first.stream.send_all(b"x" * 300)
+        slow = await RawClient.connect(urls[0])
+        await slow.stream.send_all(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 1200\r\n\r\n" + b"x" * 600)
         await trio.testing.wait_all_tasks_blocked()
-        # The refused request's bytes were given back: the first fits again until it passes 1000.
-        await first.stream.send_all(b"x" * 300)
-        assert (await first.response())[0] == 503  # its own 1200 > 1000
-        third = await RawClient.connect(urls[0])
-        await third.stream.send_all(b"POST /c HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"z" * 1000)
-        assert (await third.response())[0] == 200  # everything was released: exactly the budget fits
-    assert bodies == [1000]
+        quick = await RawClient.connect(urls[0])
+        await quick.stream.send_all(b"POST /quick HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n" + b"y" * 600)
+        assert (await quick.response())[0] == 200  # 600 + 600 > 1000: the older upload made room
+        assert (await slow.response())[0] == 503
+        alone = await RawClient.connect(urls[0])
+        await alone.stream.send_all(b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: 1001\r\n\r\n" + b"z" * 1001)
+        assert (await alone.response())[0] == 503  # over the cap on its own
+        exact = await RawClient.connect(urls[0])
+        await exact.stream.send_all(b"POST /exact HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"e" * 1000)
+        assert (await exact.response())[0] == 200  # everything was released: exactly the cap fits
+        release.set()
+        assert (await streaming.response())[0] == 200
+    assert bodies == [("/long-stream", 1000), ("/quick", 600), ("/exact", 1000)]
 
 
 async def test_h11_content_length_with_transfer_encoding_is_400_and_closed():
