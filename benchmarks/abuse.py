@@ -95,7 +95,7 @@ def pct(values: list[float], q: float) -> float:
 # The flood peer (child process): a peer operator with a valid certificate and endless names
 
 
-async def flood_peer(certs: pathlib.Path, site: str, port: int, names: int) -> None:
+async def flood_peer(certs: pathlib.Path, site: str, port: int, names: int, long_name_chars: int = 0) -> None:
     from gridd.channel import serve_signals
     from gridd.core.readings import Revision
     from gridd.tls import server_context
@@ -116,6 +116,10 @@ async def flood_peer(certs: pathlib.Path, site: str, port: int, names: int) -> N
             batches = tuple(Batch(site=site, provider=f"flood-{n}-{i}", model=MODEL, published_ms=now_ms, age_s=0.0,
                                   revision=Revision("uid", 1, epoch, n + 1, 0), ready=True)
                             for i in range(names))
+            if long_name_chars:  # the 100 kB name that became a /metrics label
+                batches += (Batch(site=site, provider="long-" + "x" * long_name_chars, model=MODEL,
+                                  published_ms=now_ms, age_s=0.0, revision=Revision("uid", 1, epoch, n + 1, 0),
+                                  ready=True),)
             await session.send(Batches(protocol=PROTOCOL_VERSION, sent_wall=time.time(), batches=batches))
 
     await serve_signals(f"127.0.0.1:{port}", lambda: ctx, handler)
@@ -395,9 +399,10 @@ def flood_main(argv: list[str]) -> int:
     parser.add_argument("--site", default="b")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--names", type=int, default=5000)
+    parser.add_argument("--long-name-chars", type=int, default=0, help="also send one name this long per poll")
     args = parser.parse_args(argv)
     try:
-        trio.run(flood_peer, pathlib.Path(args.certs), args.site, args.port, args.names)
+        trio.run(flood_peer, pathlib.Path(args.certs), args.site, args.port, args.names, args.long_name_chars)
     except KeyboardInterrupt:
         pass
     return 0

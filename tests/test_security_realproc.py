@@ -7,7 +7,9 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import pathlib
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -168,3 +170,135 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def _stop(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_real_providers_api_bounds_slow_bodies_and_connections(tmp_path):
+    """Item 4 on a real operator's providers API (the gateway front is served the same way;
+    benchmarks/abuse.py runs it at 2000 connections): a trickling body ends at the whole-body
+    deadline, connections past the cap evict the longest-waiting ones, a well-behaved client
+    is served meanwhile, and Content-Length with Transfer-Encoding is refused."""
+    [api_port] = free_ports(1)
+    path = tmp_path / "operator.yaml"
+    path.write_text(f"role: operator\nsite: a\nstate_dir: state\ncontrol_socket: run/op.sock\n"
+                    f"listen: {{http: '127.0.0.1:{api_port}'}}\n"
+                    f"limits: {{http_max_connections: 20, http_body_deadline_s: 3}}\n")
+    operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
+                                stderr=subprocess.DEVNULL, env=dict(os.environ))
+    slow: list[socket.socket] = []
+    try:
+        wait_until(lambda: (s := gridctl_status(tmp_path / "run" / "op.sock")) and s["state"] == "serving",
+                   "the operator serving")
+        token = (tmp_path / "state" / "api-token").read_text().strip()
+        fds_before = _open_fds(operator.pid)
+        head = (b"POST /v1/providers/x HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                b"authorization: Bearer " + token.encode() + b"\r\ncontent-length: 100000\r\n\r\n{")
+        started = time.monotonic()
+        for _ in range(40):
+            sock = socket.create_connection(("127.0.0.1", api_port), timeout=10)
+            sock.sendall(head)
+            slow.append(sock)
+        # A byte a second: never idle for body_idle_s (10 s), yet never complete.
+        answered: dict[int, bytes] = {}
+        good = []
+        while time.monotonic() - started < 8 and len(answered) < len(slow):
+            for i, sock in enumerate(slow):
+                if i in answered:
+                    continue
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    answered[i] = b"reset"
+            with httpx.Client(timeout=5) as client:  # a new connection each time: past the cap
+                good.append(client.get(f"http://127.0.0.1:{api_port}/v1/providers").status_code)
+            assert _open_fds(operator.pid) <= fds_before + 20 + 2
+            for i, sock in enumerate(slow):
+                if i in answered:
+                    continue
+                sock.settimeout(0.05)
+                try:
+                    answered[i] = sock.recv(100) or b"closed"
+                except TimeoutError:
+                    pass
+                except OSError:
+                    answered[i] = b"reset"
+            time.sleep(1)
+        assert good and set(good) == {200}
+        assert len(answered) == 40, f"{40 - len(answered)} slow bodies still open after 8 s"
+        timed_out = [a for a in answered.values() if a.startswith(b"HTTP/1.1 408 ")]
+        assert len(timed_out) >= 19 and len(answered) - len(timed_out) >= 20  # the rest were evicted
+
+        with socket.create_connection(("127.0.0.1", api_port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/providers/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 3\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 400 ")
+    finally:
+        for sock in slow:
+            sock.close()
+        _stop([operator])
+    assert operator.returncode == 0
+
+
+def test_real_operator_bounds_a_flooding_peer(tmp_path):
+    """Item 5: a peer with a valid certificate sending new provider names every poll (and a
+    100 000-character one) is held to limits.peer_max_providers, its names over 255 characters
+    are refused, and names it stopped sending are forgotten after 2 x the TTL, so new ones get
+    in while the held count stays at the cap."""
+    certs = tmp_path / "certs"
+    for args in (["init"], ["issue", "--site", "a", "--role", "operator"], ["issue", "--site", "b", "--role", "operator"]):
+        subprocess.run([sys.executable, "-m", "gridd", "certs", *args, str(certs)], check=True, capture_output=True,
+                       timeout=60)
+    sig_port, peer_port, met_port = free_ports(3)
+    path = tmp_path / "operator.yaml"
+    path.write_text(f"""\
+role: operator
+site: a
+tls: {{ca: certs/ca.pem, cert: certs/a-operator.pem, key: certs/a-operator-key.pem}}
+listen: {{signals: "127.0.0.1:{sig_port}", metrics: "127.0.0.1:{met_port}"}}
+control_socket: run/op.sock
+state_dir: state
+peers:
+  - {{site: b, url: "wss://127.0.0.1:{peer_port}/signals"}}
+timings: {{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 2}}
+limits: {{peer_max_providers: 50}}
+""")
+    abuse = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "abuse.py"
+    procs = [subprocess.Popen([sys.executable, str(abuse), "flood-peer", "--certs", str(certs), "--port",
+                               str(peer_port), "--names", "300", "--long-name-chars", "100000"],
+                              stderr=subprocess.DEVNULL, env=dict(os.environ)),
+             subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
+                              stderr=subprocess.DEVNULL, env=dict(os.environ))]
+    try:
+        sock = tmp_path / "run" / "op.sock"
+
+        def peer():
+            status = gridctl_status(sock)
+            if not status or status["state"] != "serving":
+                return None
+            return status["role_status"]["peers"][0] | {"held": status["role_status"]["held_readings"]}
+
+        # Names sent 2 x TTL (4 s) ago are forgotten: more than the cap get in over time...
+        state = wait_until(lambda: (p := peer()) and p["batches"]["accepted"] >= 150 and p,
+                           "forgotten names making room")
+        # ...while the held count never passes it, and the long name never gets in.
+        assert state["held"] <= 50 and state["refused"]["provider_cap"] > 0 and state["refused"]["name_length"] >= 1
+        metrics = httpx.get(f"http://127.0.0.1:{met_port}/metrics", timeout=5).text
+        assert "long-x" not in metrics and len(metrics) < 200_000
+        assert len({line.split('grid_provider="')[1].split('"')[0]
+                    for line in metrics.splitlines() if 'grid_provider="flood-' in line}) <= 50
+    finally:
+        _stop(procs)
