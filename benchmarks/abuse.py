@@ -274,7 +274,7 @@ def operator_peer_status(ws: pathlib.Path) -> dict:
                          capture_output=True, text=True, timeout=30)
     status = json.loads(out.stdout)["status"]["role_status"]
     peer = status["peers"][0]
-    return {"polls": peer["polls"], "batches": peer["batches"], "refused": peer["refused"],
+    return {"polls": peer["polls"], "batches": peer["batches"], "refused": peer.get("refused"),
             "held_readings": status["held_readings"]}
 
 
