@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,3 +51,21 @@ def gridctl(sock, *args: str, stdin: str | None = None) -> subprocess.CompletedP
 def gridctl_status(sock) -> dict | None:
     out = gridctl(sock, "status", "--json")
     return json.loads(out.stdout)["status"] if out.returncode == 0 else None
+
+
+def start_gridd(*args: str, env: dict[str, str] | None = None, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """`python -m gridd ARGS` as a child process (stderr: DEVNULL, or PIPE to read it)."""
+    return subprocess.Popen([sys.executable, "-m", "gridd", *args], stderr=stderr,
+                            text=stderr is subprocess.PIPE, env=env if env is not None else dict(os.environ))
+
+
+def stop(procs) -> None:
+    """SIGTERM every process still running, then wait (10 s each) or kill."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

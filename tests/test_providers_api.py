@@ -18,7 +18,7 @@ import pytest
 import trio
 import yaml
 from prometheus_client import CollectorRegistry
-from realproc import free_ports, gridctl_status, wait_until
+from realproc import free_ports, gridctl_status, start_gridd, stop, wait_until
 
 from gridd.api.providers import (
     MASK,
@@ -557,10 +557,8 @@ def test_real_operator_serves_the_providers_api(tmp_path):
     example = json.loads(json.dumps(EXAMPLE_2).replace("localhost:8088", f"127.0.0.1:{sim_port}"))
     procs = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--flavour", "vllm", "--port",
-                                       str(sim_port)], stderr=subprocess.DEVNULL, env=env))
-        operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
-                                    stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(start_gridd("sim", "--flavour", "vllm", "--port", str(sim_port), env=env))
+        operator = start_gridd("run", "--config", str(path), env=env, stderr=subprocess.PIPE)
         procs.append(operator)
         sock = tmp_path / "run" / "op.sock"
         # The control socket answers from the start, before the role's listeners are up.
@@ -626,13 +624,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
         assert operator.wait(timeout=20) == 0
         assert "stopped" in operator.stderr.read()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop(procs)
 
 
 @pytest.mark.realproc

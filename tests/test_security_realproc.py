@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 import yaml
-from realproc import free_ports, gridctl, gridctl_status, wait_until
+from realproc import free_ports, gridctl, gridctl_status, start_gridd, stop, wait_until
 
 pytestmark = pytest.mark.realproc
 
@@ -87,10 +87,8 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
     evil = f"http://127.0.0.1:{capture.port}"  # another origin (another port)
     procs = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--flavour", "vllm", "--port",
-                                       str(sim_port)], stderr=subprocess.DEVNULL, env=env))
-        operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
-                                    stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(start_gridd("sim", "--flavour", "vllm", "--port", str(sim_port), env=env))
+        operator = start_gridd("run", "--config", str(path), env=env)
         procs.append(operator)
         sock = tmp_path / "run" / "op.sock"
         status = wait_until(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
@@ -163,24 +161,7 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
     finally:
         capture.close()
         victim.unlink(missing_ok=True)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-
-def _stop(procs) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(procs)
 
 
 def _open_fds(pid: int) -> int:
@@ -197,8 +178,7 @@ def test_real_providers_api_bounds_slow_bodies_and_connections(tmp_path):
     path.write_text(f"role: operator\nsite: a\nstate_dir: state\ncontrol_socket: run/op.sock\n"
                     f"listen: {{http: '127.0.0.1:{api_port}'}}\n"
                     f"limits: {{http_max_connections: 20, http_body_deadline_s: 3}}\n")
-    operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
-                                stderr=subprocess.DEVNULL, env=dict(os.environ))
+    operator = start_gridd("run", "--config", str(path))
     slow: list[socket.socket] = []
     try:
         wait_until(lambda: (s := gridctl_status(tmp_path / "run" / "op.sock")) and s["state"] == "serving",
@@ -249,7 +229,7 @@ def test_real_providers_api_bounds_slow_bodies_and_connections(tmp_path):
     finally:
         for sock in slow:
             sock.close()
-        _stop([operator])
+        stop([operator])
     assert operator.returncode == 0
 
 
@@ -280,8 +260,7 @@ limits: {{peer_max_providers: 50}}
     procs = [subprocess.Popen([sys.executable, str(abuse), "flood-peer", "--certs", str(certs), "--port",
                                str(peer_port), "--names", "300", "--long-name-chars", "100000"],
                               stderr=subprocess.DEVNULL, env=dict(os.environ)),
-             subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
-                              stderr=subprocess.DEVNULL, env=dict(os.environ))]
+             start_gridd("run", "--config", str(path))]
     try:
         sock = tmp_path / "run" / "op.sock"
 
@@ -301,4 +280,4 @@ limits: {{peer_max_providers: 50}}
         assert len({line.split('grid_provider="')[1].split('"')[0]
                     for line in metrics.splitlines() if 'grid_provider="flood-' in line}) <= 50
     finally:
-        _stop(procs)
+        stop(procs)
