@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -528,9 +529,11 @@ async def test_operator_stage_guards_the_api(tmp_path):
     for old, new, message in (
         ("127.0.0.1:0", "127.0.0.1:1", "listen.http: changed; restart gridd to apply"),
         ("127.0.0.1:0", "0.0.0.0:0", "api.admin_token: required when the providers API listens"),
+        ("state_dir: state", "state_dir: state\nlimits: {http_max_connections: 5}",
+         "limits.http_*: changed; restart gridd to apply"),
     ):
         (tmp_path / "next.yaml").write_text(CONFIG.format(api="").replace(old, new))
-        with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             await operator.stage(load_config(tmp_path / "next.yaml", env=ENV))
 
 

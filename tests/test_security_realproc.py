@@ -117,6 +117,9 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
             out = gridctl(sock, "providers", "get", "keyed")
             assert out.returncode == 0, out.stderr
             assert json.loads(out.stdout)["settings"]["auth"]["api_key"] == "${SIM_KEY}"
+            out = gridctl(sock, "providers", "set", "keyed", stdin='{"enabled": false}')
+            assert out.returncode == 0 and json.loads(out.stdout)["enabled"] is False, out.stderr
+            before = path.read_bytes()
 
             # Item 1: a placeholder into another origin's query, the endpoint moved with the
             # placeholder, a metrics auth block naming it at another origin: all refused.
