@@ -219,7 +219,7 @@ class _ServerState:
         self.draining = False
         # Cancel scopes of connections waiting for a request head; drain cancels them.
         self.idle_scopes: set[trio.CancelScope] = set()
-        # Request-body bytes held by requests in flight (DEFAULT_MAX_BUFFERED_BYTES).
+        # Bytes of request bodies still arriving (DEFAULT_MAX_BUFFERED_BYTES).
         self.buffered_bytes = 0
         # Requests whose body is still arriving, oldest first (DEFAULT_MAX_BUFFERED_BYTES).
         self.uploading: dict[_RequestCycle, None] = {}
