@@ -390,6 +390,29 @@ def _remote_of(stream: trio.SocketStream) -> str:
         return "?"
 
 
+REFUSAL_LOG_EVERY_S: Final = 10.0
+"""Connections refused before a session exists (TLS, handshake, identity) are logged at most
+once per this long per listener, with counts since the last line: anyone who can reach the
+port can fail a handshake, and must not be able to flood the log (docs/security.md)."""
+
+
+class _RefusalLog:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.logged_at = -math.inf
+
+    def note(self, remote: str, reason: str, detail: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        now = trio.current_time()
+        if now - self.logged_at < REFUSAL_LOG_EVERY_S:
+            return
+        self.logged_at = now
+        counts = ", ".join(f"{n} {r}" for r, n in sorted(self.counts.items()))
+        log.info("signals connections refused (%s in the last %g s at most); latest from %s (%s): %s",
+                 counts, REFUSAL_LOG_EVERY_S, remote, reason, detail)
+        self.counts = {}
+
+
 async def serve_signals(
     bind: str,
     ssl_context_getter: Callable[[], ssl.SSLContext],
@@ -415,7 +438,12 @@ async def serve_signals(
     except OSError as exc:
         raise ChannelError(f"cannot listen for the signals channel on {bind}: {exc}", reason="connect") from exc
     bound = _format_address(listeners[0].socket.getsockname())
-    refused = on_refused or (lambda reason: None)
+    count_refused = on_refused or (lambda reason: None)
+    refusal_log = _RefusalLog()
+
+    def refused(remote: str, reason: str, detail: str) -> None:
+        refusal_log.note(remote, reason, detail)
+        count_refused(reason)
 
     async def serve_connection(stream: trio.SocketStream) -> None:
         remote = _remote_of(stream)
@@ -438,11 +466,10 @@ async def _serve_connection(
     ssl_context_getter: Callable[[], ssl.SSLContext],
     handler: Callable[[SignalsSession], Awaitable[None]],
     limits: ChannelLimits,
-    refused: Callable[[str], None],
+    refused: Callable[[str, str, str], None],
 ) -> None:
     def refuse(reason: str, detail: str) -> None:
-        log.info("signals connection from %s refused (%s): %s", remote, reason, detail)
-        refused(reason)
+        refused(remote, reason, detail)
 
     tls = trio.SSLStream(stream, ssl_context_getter(), server_side=True, https_compatible=True)
     with trio.move_on_after(limits.handshake_s) as handshake:

@@ -1,4 +1,5 @@
-"""Entry points: ``gridd`` (run, check-config, sim, certs) and ``gridctl`` (status, reload)."""
+"""Entry points: ``gridd`` (run, check-config, sim, certs) and ``gridctl`` (status, reload,
+clear-feedback, providers)."""
 
 from __future__ import annotations
 
@@ -140,7 +141,43 @@ def _gridctl_parser() -> argparse.ArgumentParser:
     clear = sub.add_parser("clear-feedback", help="operator: resolve GatewayAgesRejected (one replica or all)")
     clear.add_argument("--replica", help="the gateway replica (default: every replica)")
     clear.add_argument("--json", action="store_true", help="print JSON")
+    providers = sub.add_parser("providers", help="operator: read or change providers through the providers API "
+                                                 "(with the token file's token)")
+    providers.add_argument("action", choices=("list", "get", "set", "delete"))
+    providers.add_argument("name", nargs="?", help="the provider (get, set, delete)")
+    providers.add_argument("--file", help="set: the JSON body (default: standard input)")
     return parser
+
+
+def _providers_call(status: dict[str, Any], args: argparse.Namespace) -> tuple[int, Any]:
+    """One providers API request, authenticated with the token file gridd made in its state
+    directory (docs/security.md). Returns (HTTP status, decoded body or None)."""
+    import httpx
+
+    from gridd.errors import ControlError
+
+    api = (status.get("role_status") or {}).get("providers_api") or {}
+    urls, token_file = api.get("listen") or [], api.get("token_file")
+    if not urls or not token_file:
+        raise ControlError("this gridd serves no providers API (an operator with listen.http)")
+    try:
+        token = pathlib.Path(token_file).read_text().strip()
+    except OSError as exc:
+        raise ControlError(f"{token_file}: cannot read the API token: {exc.strerror or exc} "
+                           "(run gridctl as gridd's user)") from None
+    if args.action != "list" and not args.name:
+        raise ControlError(f"providers {args.action}: name the provider")
+    path = "/v1/providers" + (f"/{args.name}" if args.action != "list" else "")
+    method = {"list": "GET", "get": "GET", "set": "POST", "delete": "DELETE"}[args.action]
+    body = None
+    if method == "POST":
+        body = pathlib.Path(args.file).read_bytes() if args.file else sys.stdin.buffer.read()
+    headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+    try:
+        resp = httpx.request(method, urls[0] + path, headers=headers, content=body, timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise ControlError(f"{urls[0]}: {exc}") from None
+    return resp.status_code, resp.json() if resp.content else None
 
 
 def _socket_path(args: argparse.Namespace) -> pathlib.Path:
@@ -169,11 +206,18 @@ def gridctl_main(argv: list[str] | None = None) -> int:
     try:
         path = _socket_path(args)
         extra = {"replica": args.replica} if args.command == "clear-feedback" and args.replica else {}
-        reply = request(path, args.command, **extra)
+        reply = request(path, "status" if args.command == "providers" else args.command, **extra)
+        if args.command == "providers" and reply.get("ok"):
+            code, body = _providers_call(reply["status"], args)
+            print(json.dumps(body, indent=2) if body is not None else f"HTTP {code}")
+            return EXIT_OK if code < 300 else EXIT_FAIL
     except GriddError as exc:
         print(f"gridctl: {exc}", file=sys.stderr)
         return EXIT_FAIL
-    if args.json:
+    except OSError as exc:
+        print(f"gridctl: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAIL
+    if getattr(args, "json", False):
         print(json.dumps(reply, indent=2, sort_keys=True, default=str))
     elif args.command == "status" and reply.get("ok"):
         print(format_status(reply["status"]))

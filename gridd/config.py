@@ -39,6 +39,48 @@ class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     pass
 
 
+# -- credentials ---------------------------------------------------------------------------
+
+
+class AuthConfig(Base):
+    scheme: Literal["none", "bearer", "header"] = "none"
+    api_key: str | None = None
+    header_name: str = "authorization"
+    custom_headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def auth_headers(auth: AuthConfig) -> dict[str, str]:
+    """The request headers an auth block sends: its custom headers, then the key under the
+    scheme's header (``bearer``: ``Authorization: Bearer <key>``)."""
+    headers = dict(auth.custom_headers)
+    if auth.scheme == "bearer" and auth.api_key:
+        headers["authorization"] = f"Bearer {auth.api_key}"
+    elif auth.scheme == "header" and auth.api_key:
+        headers[auth.header_name] = auth.api_key
+    return headers
+
+
+def url_origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) with the scheme's default port filled in: what a secret is bound
+    to (docs/security.md)."""
+    u = httpx.URL(url)
+    return u.scheme, u.host, u.port if u.port is not None else _DEFAULT_PORTS.get(u.scheme)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def credentials_for(url: str, own: AuthConfig | None, provider: ProviderConfig) -> dict[str, str]:
+    """Headers for a metrics or probe request to ``url``. A secret is bound to the origin it
+    was configured for: the URL's own auth block if it has one; else the provider's
+    ``settings.auth`` when ``url`` has the origin of ``settings.endpoint``; else nothing."""
+    if own is not None:
+        return auth_headers(own)
+    if url_origin(url) != url_origin(provider.settings.endpoint):
+        return {}
+    return auth_headers(provider.settings.auth)
+
+
 # -- probes (spec 004) -------------------------------------------------------------------
 
 
@@ -71,6 +113,9 @@ class ProbeConfig(Base):
     extract: list[ExtractRule]
     enabled: bool = True
     endpoint: Url | None = None
+    auth: AuthConfig | None = None
+    """Credentials for ``endpoint`` itself. Unset, the provider's ``settings.auth`` is sent
+    only when the probe URL has the provider's own origin (docs/security.md)."""
     # Bounded: a probe is scrape load on the backend (spec: "keep interval sane"), and the
     # schedule arithmetic and memory must stay finite.
     interval: Annotated[float, msgspec.Meta(ge=0.1, le=86_400)] = 10.0
@@ -82,13 +127,6 @@ class ProbeConfig(Base):
 
 
 # -- providers ----------------------------------------------------------------------------
-
-
-class AuthConfig(Base):
-    scheme: Literal["none", "bearer", "header"] = "none"
-    api_key: str | None = None
-    header_name: str = "authorization"
-    custom_headers: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ProviderSettings(Base):
@@ -109,6 +147,10 @@ class MetricsSource(Base):
     adapters: list[str] = msgspec.field(default_factory=list)
     """Further ``model_name`` values (LoRA adapters) whose EPP request rows count toward
     this provider's latency, besides its model."""
+    auth: AuthConfig | None = None
+    """Credentials for this URL (an EPP's --metrics-endpoint-auth token). Unset, the
+    provider's ``settings.auth`` goes here only if ``url`` has the origin of
+    ``settings.endpoint`` (docs/security.md)."""
     pool: str | None = None
     """The InferencePool ``name`` label to read; may be omitted when the EPP serves one pool."""
     timeout_s: Positive = 2.0
@@ -164,6 +206,18 @@ class ApiConfig(Base):
     admin_token: str | None = None
     """Bearer token the operator's providers API requires (docs/providers-api.md); unset or
     empty, the API serves only on a loopback ``listen.http``."""
+
+
+class LimitsConfig(Base):
+    """Bounds on what an outsider controls (docs/security.md). The http_* ones apply to the
+    gateway's front and the operator's providers API, per listener; changing them needs a
+    restart."""
+
+    http_max_connections: PositiveInt = 1024
+    http_body_deadline_s: Positive = 30.0
+    http_max_buffered_bytes: PositiveInt = 16 * 1024 * 1024
+    peer_max_providers: PositiveInt = 1000
+    """Distinct provider names one peer operator's batches may hold at this operator."""
 
 
 # -- routing knobs (docs/routing.md) ----------------------------------------------------------
@@ -244,6 +298,7 @@ class Config(Base):
     peers: list[PeerConfig] = msgspec.field(default_factory=list)
     operator: OperatorLink | None = None
     api: ApiConfig = ApiConfig()
+    limits: LimitsConfig = LimitsConfig()
     timings: TimingConfig = TimingConfig()
     routing: RoutingConfig = RoutingConfig()
     availability: AvailabilityConfig = AvailabilityConfig()
@@ -420,11 +475,16 @@ def _check_semantics(cfg: Config) -> None:
     for i, p in enumerate(cfg.providers):
         check_url(f"providers[{i}].settings.endpoint", p.settings.endpoint)
         check_url(f"providers[{i}].metrics.url", p.metrics.url if p.metrics else None)
-        auth = p.settings.auth
-        for where, text in (("api_key", auth.api_key), ("header_name", auth.header_name),
-                            *((f"custom_headers.{k}", f"{k}: {v}") for k, v in auth.custom_headers.items())):
-            if text is not None and not text.isascii():
-                fail(f"providers[{i}].settings.auth.{where}", "expected ASCII (it is sent in an HTTP header)")
+        auths = [(f"providers[{i}].settings.auth", p.settings.auth)]
+        if p.metrics is not None and p.metrics.auth is not None:
+            auths.append((f"providers[{i}].metrics.auth", p.metrics.auth))
+        auths += [(f"providers[{i}].settings.probes[{j}].auth", probe.auth)
+                  for j, probe in enumerate(p.settings.probes) if probe.auth is not None]
+        for at, auth in auths:
+            for where, text in (("api_key", auth.api_key), ("header_name", auth.header_name),
+                                *((f"custom_headers.{k}", f"{k}: {v}") for k, v in auth.custom_headers.items())):
+                if text is not None and not text.isascii():
+                    fail(f"{at}.{where}", "expected ASCII (it is sent in an HTTP header)")
         if p.name in seen:
             fail(f"providers[{i}].name", f"duplicate provider name {p.name!r}")
         seen.add(p.name)
@@ -454,6 +514,10 @@ def _check_semantics(cfg: Config) -> None:
             for k, sink in enumerate(probe.publish):
                 if sink.to == "file" and not sink.path:
                     fail(f"{where}.publish[{k}].path", "a file sink needs a path")
+                if sink.to == "file" and ".." in pathlib.PurePath(sink.path).parts:
+                    # Sinks live under the workspace (docs/security.md); the rest of the rule
+                    # needs the workspace and is checked at start and reload (check_sink_paths).
+                    fail(f"{where}.publish[{k}].path", "'..' is not allowed (file sinks live under the workspace)")
     peer_sites: set[str] = set()
     for i, peer in enumerate(cfg.peers):
         check_url(f"peers[{i}].url", peer.url)
@@ -516,6 +580,13 @@ def default_control_socket(cfg: Config | None, workspace: pathlib.Path | None, e
         return p if p.is_absolute() or workspace is None else workspace / p
     runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
     return pathlib.Path(runtime or "/run/gridd") / "gridd.sock"
+
+
+def http_limits(cfg: Config) -> dict[str, float | int]:
+    """serve_asgi's keyword arguments for the bounds of ``limits`` (docs/security.md)."""
+    lim = cfg.limits
+    return {"max_connections": lim.http_max_connections, "body_deadline_s": lim.http_body_deadline_s,
+            "max_buffered_bytes": lim.http_max_buffered_bytes}
 
 
 def diff(old: Config, new: Config) -> set[str]:

@@ -60,6 +60,19 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_KEEP_ALIVE_S = 5.0
 DEFAULT_BODY_IDLE_S = 10.0
 """A request body that stalls this long between reads is abandoned (408)."""
+DEFAULT_BODY_DEADLINE_S = 30.0
+"""A request body not complete this long after its head arrived is abandoned (408), however
+steadily it trickles: the idle bound alone restarts on every byte."""
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Open connections per listener. Past it, a new connection evicts the longest-waiting one
+that is only waiting on its client (for a request head or body bytes); when every one is
+busy in the app, the new one gets 503 and is closed."""
+DEFAULT_MAX_BUFFERED_BYTES = 16 * 1024 * 1024
+"""Bytes of request bodies still arriving, across every connection of one server: a body's
+bytes count from their arrival until the body is complete (or its request ends). A complete
+body is the app's, bounded by the app's own work (the front: the upstream's time); an
+incomplete one only by its client. A chunk that would pass the cap ends the request whose
+body has been arriving longest (503): a slow uploader loses its place, not a new request."""
 # Largest request body handed to the app. OpenAI-style chat requests with long contexts stay well
 # under this; anything bigger is refused with 413.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -75,6 +88,14 @@ _READ_BYTES = 64 * 1024
 # accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_S = 0.1
+# Refusals (connection cap, accept() out of descriptors) are logged at most once per this
+# long per listener, with the count since the last line, so an attack cannot flood the log.
+_REFUSAL_LOG_EVERY_S = 10.0
+# A refused connection gets this long to take its 503 before it is closed.
+_REFUSE_SEND_S = 1.0
+_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                  b"content-length: 24\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+                  b"503 Service Unavailable\n")
 
 
 class ClientDisconnected(OSError):
@@ -112,7 +133,7 @@ def _bound_url(sockname: Any, family: int) -> str:
 
 
 class _Listener:
-    __slots__ = ("listener", "url", "server", "unix_path")
+    __slots__ = ("listener", "url", "server", "unix_path", "open", "waiting", "refused", "_logged_at")
 
     def __init__(
         self, listener: trio.SocketListener, url: str, server: tuple[Any, Any], unix_path: str | None
@@ -121,6 +142,30 @@ class _Listener:
         self.url = url
         self.server = server
         self.unix_path = unix_path
+        self.open = 0
+        # Connections waiting only on their client (a request head, or body bytes), oldest
+        # first, with the cancel scope of that wait: what the connection cap evicts.
+        self.waiting: dict[_H11Connection, trio.CancelScope] = {}
+        self.refused: dict[str, int] = {}
+        self._logged_at = -math.inf
+
+    def evict_oldest_waiting(self) -> bool:
+        for conn, scope in self.waiting.items():
+            del self.waiting[conn]
+            conn.evicted = True
+            scope.cancel()
+            return True
+        return False
+
+    def note_refusal(self, what: str, now: float) -> None:
+        """Count a refusal; one log line per _REFUSAL_LOG_EVERY_S with the counts since."""
+        self.refused[what] = self.refused.get(what, 0) + 1
+        if now - self._logged_at >= _REFUSAL_LOG_EVERY_S:
+            self._logged_at = now
+            counts = ", ".join(f"{n} {w}" for w, n in sorted(self.refused.items()))
+            logger.error("%s: refusing connections (%s in the last %g s at most)", self.url, counts,
+                         _REFUSAL_LOG_EVERY_S)
+            self.refused = {}
 
 
 async def _open_listeners(binds: list[str]) -> list[_Listener]:
@@ -168,12 +213,16 @@ async def _close_listeners(listeners: list[_Listener]) -> None:
 class _ServerState:
     """What every connection of one serve_asgi call shares."""
 
-    __slots__ = ("draining", "idle_scopes", "_date_second", "_date_value")
+    __slots__ = ("draining", "idle_scopes", "buffered_bytes", "uploading", "_date_second", "_date_value")
 
     def __init__(self) -> None:
         self.draining = False
         # Cancel scopes of connections waiting for a request head; drain cancels them.
         self.idle_scopes: set[trio.CancelScope] = set()
+        # Bytes of request bodies still arriving (DEFAULT_MAX_BUFFERED_BYTES).
+        self.buffered_bytes = 0
+        # Requests whose body is still arriving, oldest first (DEFAULT_MAX_BUFFERED_BYTES).
+        self.uploading: dict[_RequestCycle, None] = {}
         self._date_second = -1
         self._date_value = b""
 
@@ -191,14 +240,20 @@ class _ServerState:
 
 
 class _Limits:
-    __slots__ = ("keep_alive_s", "max_body_bytes", "max_header_bytes", "body_idle_s")
+    __slots__ = ("keep_alive_s", "max_body_bytes", "max_header_bytes", "body_idle_s", "body_deadline_s",
+                 "max_connections", "max_buffered_bytes")
 
     def __init__(self, keep_alive_s: float, max_body_bytes: int, max_header_bytes: int,
-                 body_idle_s: float = 10.0) -> None:
+                 body_idle_s: float = DEFAULT_BODY_IDLE_S, body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> None:
         self.keep_alive_s = keep_alive_s
         self.body_idle_s = body_idle_s
+        self.body_deadline_s = body_deadline_s
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
+        self.max_connections = max_connections
+        self.max_buffered_bytes = max_buffered_bytes
 
 
 def _only_disconnects(exc: BaseException) -> bool:
@@ -219,6 +274,13 @@ def _head_size(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]])
     for name, value in headers:
         size += len(name) + len(value) + 4
     return size
+
+
+def _has_both_framings(headers: Any) -> bool:
+    """Content-Length and Transfer-Encoding together: RFC 9112 6.1 lets a server reject the
+    request and requires it to close the connection either way (a request-smuggling shape)."""
+    names = {name for name, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 def _declared_length(headers: Any) -> int | None:
@@ -243,7 +305,7 @@ def _missing_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bool, bool]:
 class _H11Connection:
     """One client connection: a loop of request/response cycles on one h11.Connection."""
 
-    __slots__ = ("stream", "app", "limits", "state", "conn", "client", "server")
+    __slots__ = ("stream", "app", "limits", "state", "conn", "client", "server", "listener", "evicted")
 
     def __init__(
         self,
@@ -251,14 +313,16 @@ class _H11Connection:
         app: ASGIApp,
         limits: _Limits,
         state: _ServerState,
-        server: tuple[Any, Any],
+        listener: _Listener,
     ) -> None:
         self.stream = stream
         self.app = app
         self.limits = limits
         self.state = state
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
-        self.server = server
+        self.server = listener.server
+        self.listener = listener
+        self.evicted = False
         self.client: tuple[str, int] | None = None
         if stream.socket.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -285,6 +349,8 @@ class _H11Connection:
         except Exception:
             logger.exception("HTTP connection handler failed")
         finally:
+            self.listener.waiting.pop(self, None)
+            self.listener.open -= 1
             await self.stream.aclose()
 
     async def receive_bytes(self) -> bytes:
@@ -300,8 +366,9 @@ class _H11Connection:
         conn = self.conn
         with trio.move_on_after(self.limits.keep_alive_s) as scope:
             self.state.idle_scopes.add(scope)
+            self.listener.waiting[self] = scope
             try:
-                if self.state.draining:
+                if self.state.draining or self.evicted:
                     return None
                 while True:
                     try:
@@ -318,6 +385,7 @@ class _H11Connection:
                     return None  # ConnectionClosed
             finally:
                 self.state.idle_scopes.discard(scope)
+                self.listener.waiting.pop(self, None)
         return None
 
     async def _cycle(self, request: h11.Request) -> str:
@@ -326,6 +394,9 @@ class _H11Connection:
         if _head_size(request.method, request.target, headers) > self.limits.max_header_bytes:
             await self._send_error(431, head_only=request.method == b"HEAD")
             return "linger"
+        if _has_both_framings(headers):
+            await self._send_error(400, head_only=request.method == b"HEAD")
+            return "close"
         declared = _declared_length(headers)
         if declared is not None and declared > self.limits.max_body_bytes:
             await self._send_error(413, head_only=request.method == b"HEAD")
@@ -348,18 +419,25 @@ class _H11Connection:
         }
         cycle = _RequestCycle(self, request.method == b"HEAD")
         try:
-            await self.app(scope, cycle.receive, cycle.send)
+            try:
+                await self.app(scope, cycle.receive, cycle.send)
+            finally:
+                cycle.release_buffered()
         except Exception as exc:
             if not (cycle.disconnected and _only_disconnects(exc)):
                 logger.exception("ASGI app raised on %s %s", scope["method"], scope["path"])
             return await self._after_failed_cycle(cycle, 500)
 
-        if cycle.disconnected:
+        if cycle.disconnected or self.evicted:
             return "close"
         if cycle.over_limit:
             return await self._after_failed_cycle(cycle, 413)
+        if cycle.over_budget:
+            return await self._after_failed_cycle(cycle, 503)
         if cycle.body_timed_out:
             return await self._after_failed_cycle(cycle, 408)
+        if cycle.pipeline_overflow:
+            return "close"  # the pipelined requests it sent were discarded: close, never serve half
         if not cycle.complete:
             logger.error(
                 "ASGI app returned without completing the response to %s %s", scope["method"], scope["path"]
@@ -443,6 +521,11 @@ class _RequestCycle:
         "disconnected",
         "over_limit",
         "body_timed_out",
+        "over_budget",
+        "pipeline_overflow",
+        "body_deadline",
+        "buffered",
+        "wait_scope",
         "started",
         "status",
         "headers",
@@ -459,28 +542,56 @@ class _RequestCycle:
         self.disconnected = False
         self.over_limit = False
         self.body_timed_out = False
+        self.over_budget = False
+        self.pipeline_overflow = False
+        # The whole body must have arrived by then (DEFAULT_BODY_DEADLINE_S).
+        self.body_deadline = trio.current_time() + connection.limits.body_deadline_s
+        self.buffered = 0  # this request's share of _ServerState.buffered_bytes
+        self.wait_scope: trio.CancelScope | None = None  # while waiting for body bytes
         self.started = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_sent = False
         self.complete = False
 
+    def release_buffered(self) -> None:
+        self.c.state.buffered_bytes -= self.buffered
+        self.buffered = 0
+        self.c.state.uploading.pop(self, None)
+
+    def _make_room(self) -> bool:
+        """Over the buffered-bytes cap: end the oldest uploads (this one included, if it is
+        the oldest) until the bytes fit. True if this request may go on."""
+        state, cap = self.c.state, self.c.limits.max_buffered_bytes
+        while state.buffered_bytes > cap:
+            oldest = next(iter(state.uploading))
+            oldest.over_budget = True
+            oldest.release_buffered()
+            if oldest is self:
+                return False
+            if oldest.wait_scope is not None:
+                oldest.wait_scope.cancel()
+        return True
+
     async def receive(self) -> Message:
-        if self.disconnected or self.over_limit or self.body_timed_out or self.complete:
+        if self.disconnected or self.over_limit or self.over_budget or self.body_timed_out or self.complete:
             return {"type": "http.disconnect"}
         if not self.body_done:
             return await self._receive_body()
         # Body fully read, response not finished: the only thing left to report is the client
         # going away. Reading here (EOF or reset) is what lets a streaming app stop at once.
-        # Pipelined requests that arrive meanwhile are buffered in h11, up to the head limit.
+        # Pipelined requests that arrive meanwhile are buffered in h11, up to the head limit;
+        # past it, what arrives is discarded (still read, so a hang-up is seen) and the
+        # connection closes after this response.
         conn = self.conn
         while True:
-            if len(conn.trailing_data[0]) > self.c.limits.max_header_bytes:
-                await trio.sleep_forever()
             data = await self.c.receive_bytes()
             if not data:
                 self.disconnected = True
                 return {"type": "http.disconnect"}
+            if self.pipeline_overflow or len(conn.trailing_data[0]) + len(data) > self.c.limits.max_header_bytes:
+                self.pipeline_overflow = True
+                continue
             conn.receive_data(data)
 
     async def _receive_body(self) -> Message:
@@ -500,26 +611,49 @@ class _RequestCycle:
             if event_type is h11.Data:
                 data = bytes(event.data)
                 self.body_bytes += len(data)
+                state = self.c.state
+                state.buffered_bytes += len(data)
+                self.buffered += len(data)
+                state.uploading.setdefault(self, None)
                 if self.body_bytes > limit:
                     # Chunked body over the limit: the app sees the request vanish; the server
                     # answers 413 if the app had not started a response.
                     self.over_limit = True
                     return {"type": "http.disconnect"}
+                if state.buffered_bytes > self.c.limits.max_buffered_bytes and not self._make_room():
+                    # Every incomplete body together over the server's budget, and this one
+                    # the oldest: it ends (503 if no response started), the process stays put.
+                    return {"type": "http.disconnect"}
                 chunks.append(data)
             elif event_type is h11.EndOfMessage:
                 self.body_done = True
+                self.release_buffered()  # complete: no longer the client's to hold back
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             elif event is h11.NEED_DATA:
                 # Hand over what is buffered before blocking on the socket.
                 if chunks:
                     return {"type": "http.request", "body": b"".join(chunks), "more_body": True}
-                # A client that announced a body must keep sending it: a stall this long ends
-                # the request (408 if no response started), so a trickle cannot hold a task.
+                # A client that announced a body must keep sending it: a stall of body_idle_s,
+                # or the whole body not in by body_deadline_s after the head, ends the request
+                # (408 if no response started), so a trickle cannot hold a task. While it
+                # waits here the connection may be evicted by the connection cap.
                 data = None
-                with trio.move_on_after(self.c.limits.body_idle_s):
-                    data = await self.c.receive_bytes()
+                listener = self.c.listener
+                with trio.CancelScope(deadline=min(trio.current_time() + self.c.limits.body_idle_s,
+                                                   self.body_deadline)) as wait:
+                    listener.waiting[self.c] = self.wait_scope = wait
+                    try:
+                        data = await self.c.receive_bytes()
+                    finally:
+                        listener.waiting.pop(self.c, None)
+                        self.wait_scope = None
+                if self.over_budget:
+                    return {"type": "http.disconnect"}  # ended by _make_room for a newer upload
                 if data is None:
-                    self.body_timed_out = True
+                    if self.c.evicted:
+                        self.disconnected = True
+                    else:
+                        self.body_timed_out = True
                     return {"type": "http.disconnect"}
                 if not data:
                     self.disconnected = True
@@ -530,7 +664,7 @@ class _RequestCycle:
                 return {"type": "http.disconnect"}
 
     async def send(self, message: Message) -> None:
-        if self.disconnected or self.over_limit:
+        if self.disconnected or self.over_limit or self.over_budget:
             raise ClientDisconnected("client disconnected")
         kind = message["type"]
         if kind == "http.response.body":
@@ -607,10 +741,27 @@ async def _accept_loop(
         except OSError as exc:
             if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                 raise
-            logger.error("accept() on %s failed (%s); retrying", entry.url, exc)
+            entry.note_refusal(f"accept() {errno.errorcode.get(exc.errno, exc.errno)}", trio.current_time())
             await trio.sleep(_ACCEPT_RETRY_S)
             continue
-        connections.start_soon(_H11Connection(stream, app, limits, state, entry.server).run)
+        # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
+        # that has waited longest on its client; if every one is busy in the app, refuse.
+        if entry.open >= limits.max_connections and not entry.evict_oldest_waiting():
+            entry.note_refusal("over the connection cap", trio.current_time())
+            connections.start_soon(_refuse_busy, stream)
+            continue
+        entry.open += 1
+        connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
+
+
+async def _refuse_busy(stream: trio.SocketStream) -> None:
+    """A clear 503 (the connection cap is reached), then close; bounded in time."""
+    with trio.move_on_after(_REFUSE_SEND_S):
+        try:
+            await stream.send_all(_BUSY_RESPONSE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await trio.aclose_forcefully(stream)
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -790,8 +941,11 @@ async def serve_asgi(
     stop_accepting: trio.Event | None = None,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     body_idle_s: float = DEFAULT_BODY_IDLE_S,
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` (ASGI 3, http scopes only) on `binds` until cancelled or drained.
@@ -802,9 +956,13 @@ async def serve_asgi(
     move_on_after). keep_alive_s is a per-connection policy, not a bound on this call: how long
     a connection may wait for its next complete request head. max_body_bytes: larger bodies get
     413 and never reach the app (declared Content-Length) or end in http.disconnect (chunked).
-    max_header_bytes: larger request heads get 431.
+    max_header_bytes: larger request heads get 431. body_idle_s / body_deadline_s: a body
+    stalled that long, or not complete that long after its head, gets 408. max_connections
+    (per listener) and max_buffered_bytes (request bodies held across connections): see
+    DEFAULT_MAX_CONNECTIONS and DEFAULT_MAX_BUFFERED_BYTES; the hypercorn backend has neither.
     """
-    limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes, body_idle_s)
+    limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes, body_idle_s, body_deadline_s,
+                     max_connections, max_buffered_bytes)
     if server == "h11":
         await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status)
     elif server == "hypercorn":

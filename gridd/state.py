@@ -19,6 +19,8 @@ from gridd.errors import StateError
 
 EPOCH_FILE = "publisher_epoch"
 PROVIDERS_FILE = "providers.json"
+API_TOKEN_FILE = "api-token"
+"""The providers API's write token (docs/security.md): made at first start, mode 0600."""
 
 
 def write_durably(path: pathlib.Path, data: bytes, *, mode: int | None = None) -> None:
@@ -109,6 +111,41 @@ class StateDir:
             claim = EpochClaim(max(int(wall_now), high_water + 1))
         write_durably(self.path / EPOCH_FILE, f"{claim.epoch}\n".encode())
         return claim
+
+    # -- the providers API's token ---------------------------------------------------------
+
+    def api_token(self) -> str:
+        """The providers API token: read from API_TOKEN_FILE, or created there (mode 0600,
+        256 random bits) at first start. A file others may read is refused, not trusted:
+        whoever could read it could write the providers."""
+        p = self.path / API_TOKEN_FILE
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            fd = None
+        except OSError as exc:
+            raise StateError(f"{p}: cannot create the API token file: {exc.strerror or exc}") from None
+        if fd is not None:
+            token = secrets.token_urlsafe(32)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            return token
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as fh:
+                mode = os.fstat(fh.fileno()).st_mode & 0o777
+                token = fh.read().strip()
+        except OSError as exc:
+            raise StateError(f"{p}: cannot read the API token file: {exc.strerror or exc}") from None
+        if mode & 0o077:
+            raise StateError(f"{p}: the API token file has mode {mode:04o}; make it 0600 (chmod 600) or delete it "
+                             "to have a new one made")
+        if len(token) < 16:
+            raise StateError(f"{p}: the API token file holds no usable token (under 16 characters); delete it to "
+                             "have a new one made")
+        return token
 
     # -- provider uid and generation -------------------------------------------------------
 

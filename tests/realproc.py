@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -132,3 +133,33 @@ class Processes:
             return m.group(1) if m else None
 
         return wait_until(url, f"{name} to listen")
+
+
+def gridctl(sock, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run gridctl against the control socket ``sock`` (the installed console script's code)."""
+    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30, input=stdin)
+
+
+def gridctl_status(sock) -> dict | None:
+    out = gridctl(sock, "status", "--json")
+    return json.loads(out.stdout)["status"] if out.returncode == 0 else None
+
+
+def start_gridd(*args: str, env: dict[str, str] | None = None, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """`python -m gridd ARGS` as a child process (stderr: DEVNULL, or PIPE to read it)."""
+    return subprocess.Popen([sys.executable, "-m", "gridd", *args], stderr=stderr,
+                            text=stderr is subprocess.PIPE, env=env if env is not None else dict(os.environ))
+
+
+def stop_all(procs) -> None:
+    """SIGTERM every process still running, then wait (10 s each) or kill."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -7,6 +7,7 @@ sockets stay out of autojump tests); every wait is bounded by fail_after.
 from __future__ import annotations
 
 import datetime
+import logging
 import random
 import ssl
 import time
@@ -509,3 +510,20 @@ async def test_unreachable_and_unusable_urls_map_to_bounded_reasons(grid):
             async with open_signals_connection("ws://127.0.0.1:1/signals", ctx, ExpectedPeer(TD, "a", "operator")):
                 pass
         assert err.value.reason == "protocol"
+
+
+async def test_failed_handshakes_are_logged_once_per_interval_with_counts(operator, caplog):
+    """The issue: every failed unauthenticated handshake logged one INFO line (log flooding).
+    Now one line per REFUSAL_LOG_EVERY_S per listener, every refusal still counted."""
+    caplog.set_level(logging.INFO, logger="gridd.channel")
+    host, port = operator.url.removeprefix("wss://").removesuffix("/signals").rsplit(":", 1)
+    for _ in range(5):
+        operator.refused_at_handshake = trio.Event()
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(b"GET / HTTP/1.1\r\n\r\n")  # not TLS: the handshake fails
+        with trio.fail_after(5):
+            await operator.refused_at_handshake.wait()
+        await stream.aclose()
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("signals connections refused (1 ")
+    assert operator.refused("tls") + operator.refused("handshake") == 5

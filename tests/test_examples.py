@@ -12,16 +12,12 @@ import sys
 import time
 
 import pytest
+from realproc import gridctl
 
 from gridd.config import load_config
 
 pytestmark = pytest.mark.realproc
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
-
-
-def gridctl(sock, *args):
-    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30)
 
 
 def wait_status(sock, deadline_s=20.0) -> dict:
@@ -85,3 +81,15 @@ def test_example_configs_run(tmp_path):
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_operator_unit_lets_the_providers_api_rewrite_its_config():
+    """The issue: ProtectSystem=strict made /etc read-only, so under the shipped unit the
+    providers API could not rewrite the config (write_durably renames a temporary file in the
+    config's own directory)."""
+    unit = (REPO / "systemd" / "gridd-operator.service").read_text()
+    settings = [line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#")]
+    config = next(v for k, v in settings if k == "Environment" and v.startswith("GRIDD_CONFIG="))
+    writable = [p for k, v in settings if k == "ReadWritePaths" for p in v.split()]
+    assert ("ProtectSystem", "strict") in [tuple(s) for s in settings]
+    assert str(REPO.__class__(config.split("=", 1)[1]).parent) in writable

@@ -675,3 +675,185 @@ async def test_h11_a_stalled_request_body_gets_408_and_frees_the_connection():
         await stream.aclose()
         nursery.cancel_scope.cancel()
     assert called == ["/upload"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds an outsider controls (docs/security.md): whole-body deadline, connection cap,
+# buffered bytes across connections, pipelining overflow, Content-Length with Transfer-Encoding
+
+
+async def _read_head(stream) -> bytes:
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+async def test_h11_a_trickled_body_gets_408_at_the_whole_body_deadline(autojump_clock):
+    """The issue's slow body: a byte every 8 s never trips the 10 s idle bound; the whole-body
+    deadline (30 s after the head) ends it, exactly then."""
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(functools.partial(serve_asgi, app, ["127.0.0.1:0"]))
+        stream = await trio.open_tcp_stream(*hostport(urls[0]))
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n")
+        head_at = trio.current_time()
+
+        async def trickle():
+            for _ in range(10):
+                await trio.sleep(8)
+                try:
+                    await stream.send_all(b"x")
+                except trio.BrokenResourceError:
+                    return
+
+        nursery.start_soon(trickle)
+        with trio.fail_after(60):
+            answer = await _read_head(stream)
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert trio.current_time() - head_at == 30.0
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_h11_connection_cap_evicts_the_longest_waiting_connection(caplog):
+    async def app(scope, receive, send):
+        await respond(send, 200, b"ok")
+
+    caplog.set_level(logging.ERROR, logger="gridd.http")
+    async with serving(app, "h11", max_connections=3) as urls:
+        slow = []
+        for _ in range(3):  # three clients that never finish a request head
+            stream = await trio.open_tcp_stream(*hostport(urls[0]))
+            await stream.send_all(b"GET / HTTP/1.1\r\n")
+            slow.append(stream)
+            await trio.testing.wait_all_tasks_blocked()
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(BOUND_S):
+                resp = await client.get(urls[0] + "/healthz")
+        assert resp.status_code == 200  # served: the oldest waiting connection made room
+        with trio.fail_after(BOUND_S):
+            assert await slow[0].receive_some(100) == b""  # evicted: closed without a word
+        for stream in slow:
+            await stream.aclose()
+    assert not [r for r in caplog.records if "refusing" in r.getMessage()]
+
+
+async def test_h11_connection_cap_refuses_with_503_when_every_connection_is_busy(caplog):
+    release = trio.Event()
+
+    async def app(scope, receive, send):
+        await release.wait()
+        await respond(send, 200, b"ok")
+
+    caplog.set_level(logging.ERROR, logger="gridd.http")
+    async with serving(app, "h11", max_connections=2) as urls:
+        busy = []
+        for _ in range(2):
+            raw = await RawClient.connect(urls[0])
+            await raw.stream.send_all(b"GET /busy HTTP/1.1\r\nHost: t\r\n\r\n")
+            busy.append(raw)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(5):
+            stream = await trio.open_tcp_stream(*hostport(urls[0]))
+            with trio.fail_after(BOUND_S):
+                answer = b""
+                while chunk := await stream.receive_some(4096):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"connection: close" in answer
+            await stream.aclose()
+        refusals = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
+        assert len(refusals) == 1 and "1 over the connection cap" in refusals[0]  # rate-limited: one line
+        release.set()
+        for raw in busy:
+            assert (await raw.response())[0] == 200
+            await raw.stream.aclose()
+
+
+async def test_h11_incomplete_bodies_across_connections_are_capped_oldest_upload_first():
+    """The issue: 100 connections each sending 4 MiB, then a trickle, took the gateway from 140
+    to 518 MB. Incomplete bodies together are capped; past the cap the oldest upload ends
+    with 503, so a slow uploader loses its place, not a newcomer."""
+    bodies = []
+    release = trio.Event()
+
+    async def app(scope, receive, send):
+        body = await read_body(receive)
+        if body is None:
+            return
+        bodies.append((scope["path"], len(body)))
+        if scope["path"] == "/long-stream":
+            await release.wait()
+        await respond(send, 200, b"ok")
+
+    async with serving(app, "h11", max_buffered_bytes=1000) as urls:
+        # A complete body is the app's: it stops counting, however long its response takes.
+        streaming = await RawClient.connect(urls[0])
+        await streaming.stream.send_all(b"POST /long-stream HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n"
+                                        + b"s" * 1000)
+        await trio.testing.wait_all_tasks_blocked()
+        slow = await RawClient.connect(urls[0])
+        await slow.stream.send_all(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 1200\r\n\r\n" + b"x" * 600)
+        await trio.testing.wait_all_tasks_blocked()
+        quick = await RawClient.connect(urls[0])
+        await quick.stream.send_all(b"POST /quick HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n" + b"y" * 600)
+        assert (await quick.response())[0] == 200  # 600 + 600 > 1000: the older upload made room
+        assert (await slow.response())[0] == 503
+        alone = await RawClient.connect(urls[0])
+        await alone.stream.send_all(b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: 1001\r\n\r\n" + b"z" * 1001)
+        assert (await alone.response())[0] == 503  # over the cap on its own
+        exact = await RawClient.connect(urls[0])
+        await exact.stream.send_all(b"POST /exact HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"e" * 1000)
+        assert (await exact.response())[0] == 200  # everything was released: exactly the cap fits
+        release.set()
+        assert (await streaming.response())[0] == 200
+    assert bodies == [("/long-stream", 1000), ("/quick", 600), ("/exact", 1000)]
+
+
+async def test_h11_content_length_with_transfer_encoding_is_400_and_closed():
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope["path"])
+        await respond(send, 200, b"ok")
+
+    async with serving(app, "h11") as urls:
+        stream = await trio.open_tcp_stream(*hostport(urls[0]))
+        await stream.send_all(b"POST /smuggle HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /second HTTP/1.1\r\nHost: t\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            answer = b""
+            while chunk := await stream.receive_some(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1") == 1
+        await stream.aclose()
+    assert called == []
+
+
+async def test_h11_a_hang_up_after_pipelining_past_the_head_limit_reaches_the_app():
+    """The issue: >16 KiB pipelined after a non-streamed request, then a hang-up, was not
+    noticed until the response ended (the server stopped reading)."""
+    seen = []
+    noticed = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        with trio.fail_after(BOUND_S):
+            seen.append((await receive())["type"])  # waits like a proxy streaming its upstream
+        noticed.set()
+
+    async with serving(app, "h11") as urls:
+        stream = await trio.open_tcp_stream(*hostport(urls[0]))
+        pipelined = b"GET /next HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"p" * 20000 + b"\r\n\r\n"
+        await stream.send_all(b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi" + pipelined)
+        await trio.testing.wait_all_tasks_blocked()
+        await stream.aclose()
+        with trio.fail_after(BOUND_S):
+            await noticed.wait()
+    assert seen == ["http.disconnect"]

@@ -16,6 +16,7 @@ import sys
 import time
 
 import httpx
+import msgspec
 import pytest
 import trio
 from prometheus_client import CollectorRegistry
@@ -366,3 +367,22 @@ async def test_scrape_and_readiness_transitions_are_logged_once_each(tmp_path, a
     ]
     levels = [r.levelno for r in caplog.records if r.getMessage().startswith("provider llama:")]
     assert levels == [logging.INFO, logging.WARNING, logging.WARNING, logging.INFO, logging.INFO]
+
+
+def test_scrape_target_sends_the_providers_key_to_its_own_origin_only():
+    """docs/security.md: the issue's leak (metrics.url moved to another host got
+    `authorization: Bearer <key>` on every scrape) ends; metrics.auth names an EPP's token."""
+    from gridd.config import ProviderConfig
+    from gridd.operator.service import scrape_target
+
+    def target(metrics):
+        p = msgspec.convert({"name": "p", "model": "m", "metrics": metrics,
+                             "settings": {"endpoint": "http://127.0.0.1:8000/v1",
+                                          "auth": {"scheme": "bearer", "api_key": "sk-provider"}}}, ProviderConfig)
+        return scrape_target(p).headers
+
+    assert target({"url": "http://127.0.0.1:8000/metrics"}) == {"authorization": "Bearer sk-provider"}
+    assert target({"url": "http://evil.example:8000/metrics"}) == {}
+    assert target({"url": "http://127.0.0.1:9090/metrics"}) == {}
+    assert target({"url": "http://127.0.0.1:9090/metrics",
+                   "auth": {"scheme": "bearer", "api_key": "epp-token"}}) == {"authorization": "Bearer epp-token"}

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from prometheus_client import CollectorRegistry
 
 from gridd import certs
 from gridd.channel import ChannelError
-from gridd.config import PeerConfig, TimingConfig, load_config
+from gridd.config import LimitsConfig, PeerConfig, TimingConfig, load_config
 from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
@@ -406,3 +407,60 @@ async def test_reload_swaps_tls_and_restarts_only_what_changed(tmp_path, nursery
     peers = {p["site"]: p for p in service.status()["peers"]}
     assert set(peers) == {"b", "c"} and peers["c"]["url"] == moved_c.url
     assert service.status()["signals"]["listen"] == service.signals_address
+
+
+# --- per-peer bounds (docs/security.md; gridd.core.peer_intake) ---------------------------
+
+
+async def test_a_peer_flooding_new_names_is_held_to_its_provider_cap(autojump_clock, nursery):
+    """The issue's flood: thousands of new provider names per poll grew the operator without
+    bound. At most limits.peer_max_providers names per peer are held; the rest are refused."""
+    h = Harness()
+    h.supervisor.limits = lambda: LimitsConfig(peer_max_providers=100)
+    h.scripts["b"] = lambda n: [batch(provider=f"p{n}-{i}", seq=n + 1) for i in range(150)]
+    await start(nursery, h, [PEER_B])
+    await trio.testing.wait_all_tasks_blocked()
+    [status] = h.supervisor.status()
+    assert status["batches"] == {"accepted": 100, "repeat": 0, "dropped": 50}
+    assert status["refused"] == {"name_length": 0, "provider_cap": 50}
+    assert len(h.fences) == 100 and len(h.holdings) == 100
+    await trio.sleep_until(5.0)  # the second poll: 150 more new names, every one over the cap
+    await trio.testing.wait_all_tasks_blocked()
+    [status] = h.supervisor.status()
+    assert status["refused"]["provider_cap"] == 200 and len(h.fences) == 100 and len(h.holdings) == 100
+    assert h.fences.fence("b", "p1-0") is None
+
+
+async def test_names_a_peer_stopped_sending_are_forgotten_after_2_ttl(autojump_clock, nursery):
+    h = Harness(TimingConfig(signal_ttl_s=20.0))
+    h.supervisor.limits = lambda: LimitsConfig(peer_max_providers=2)
+    # Poll 0 (t=0) sends two names; polls 1.. send nothing but "late" (refused until room).
+    h.scripts["b"] = lambda n: ([batch(provider="x", seq=1), batch(provider="y", seq=1)] if n == 0
+                                else [batch(provider="late", seq=n)])
+    await start(nursery, h, [PEER_B])
+    await trio.sleep_until(40.0)
+    await trio.testing.wait_all_tasks_blocked()
+    # At 2 x TTL exactly, still kept (x and y are 40 s old, not older)...
+    assert h.fences.fence("b", "x") is not None and h.fences.fence("b", "late") is None
+    # ...the expiry pass at t = 41 forgets them, fences included: the next poll (t = 45) has room.
+    await trio.sleep_until(41.0)
+    await trio.testing.wait_all_tasks_blocked()
+    assert h.fences.fence("b", "x") is None and h.fences.fence("b", "y") is None and len(h.fences) == 0
+    await trio.sleep_until(45.0)
+    await trio.testing.wait_all_tasks_blocked()
+    assert h.fences.fence("b", "late") is not None
+
+
+@pytest.mark.parametrize(("site", "provider", "refused"), [
+    ("b", "p" * 255, None), ("b", "p" * 256, "name_length"), ("b" * 256, "p", "name_length"),
+])
+async def test_names_longer_than_255_characters_are_refused(autojump_clock, nursery, site, provider, refused):
+    h = Harness()
+    h.scripts["b"] = lambda n: [batch(site=site, provider=provider)] if n == 0 else []
+    await start(nursery, h, [PEER_B])
+    await trio.testing.wait_all_tasks_blocked()
+    [status] = h.supervisor.status()
+    if refused is None:
+        assert status["batches"]["accepted"] == 1 and len(h.fences) == 1
+    else:
+        assert status["refused"][refused] == 1 and len(h.fences) == 0 and h.drops("identity") == 0

@@ -18,11 +18,11 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from gridd.config import ExtractRule, ProviderConfig, load_config
+from gridd.config import AuthConfig, ExtractRule, ProviderConfig, credentials_for, load_config
 from gridd.core.probes import Extractor, ProbeSeries, SlidingAggregate, extract, parse_number, regex_hazard
 from gridd.core.publication import ProviderPublisher
 from gridd.operator.service import OperatorService
-from gridd.probes.runner import ProbeRunner, probe_headers
+from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import JsonlHistory
 from gridd.sim.app import SimApp
 from gridd.sim.model import knobs_from
@@ -397,10 +397,16 @@ async def test_method_and_credentials(tmp_path, autojump_clock):
 def test_credentials_go_to_the_providers_origin_only():
     p = provider([], endpoint="https://backend:8443/v1",
                  auth={"scheme": "header", "api_key": "k", "header_name": "x-key", "custom_headers": {"x-a": "1"}})
-    assert probe_headers(p, "https://backend:8443/metrics") == {"x-a": "1", "x-key": "k"}
-    assert probe_headers(p, "http://backend:8443/metrics") == {}  # another scheme
-    assert probe_headers(p, "https://backend:9090/metrics") == {}  # another port
-    assert probe_headers(p, "https://other:8443/metrics") == {}
+    assert credentials_for("https://backend:8443/metrics", None, p) == {"x-a": "1", "x-key": "k"}
+    assert credentials_for("http://backend:8443/metrics", None, p) == {}  # another scheme
+    assert credentials_for("https://backend:9090/metrics", None, p) == {}  # another port
+    assert credentials_for("https://other:8443/metrics", None, p) == {}
+    # A URL's own auth block is what it gets, whatever its origin.
+    own = AuthConfig(scheme="bearer", api_key="probe-key")
+    assert credentials_for("https://other:8443/metrics", own, p) == {"authorization": "Bearer probe-key"}
+    # The default port counts as written: https://backend is https://backend:443.
+    q = provider([], endpoint="https://backend/v1", auth={"scheme": "bearer", "api_key": "k"})
+    assert credentials_for("https://backend:443/metrics", None, q) == {"authorization": "Bearer k"}
 
 
 # -- the JSONL file sink ----------------------------------------------------------------------------
@@ -442,12 +448,13 @@ async def test_file_sink_appends_records_and_keeps_the_newest_max_entries(tmp_pa
 
 async def test_file_sink_unbounded_with_max_entries_0(tmp_path, autojump_clock):
     rig = RunnerRig(tmp_path)
-    probe = perf_probe(publish=[{"to": "file", "path": str(tmp_path / "abs.jsonl"), "max_entries": 0}], interval=1)
+    probe = perf_probe(publish=[{"to": "file", "path": str(rig.workspace / "abs.jsonl"), "max_entries": 0}],
+                       interval=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.runner.run, rig.client, [provider([probe])])
         await trio.sleep(30.5)
         nursery.cancel_scope.cancel()
-    assert len(records(tmp_path / "abs.jsonl")) == 31  # an absolute path is used as it is
+    assert len(records(rig.workspace / "abs.jsonl")) == 31  # an absolute path inside the workspace is used as it is
 
 
 async def test_file_sink_io_error_is_counted_logged_once_and_never_stops_the_probe(tmp_path, autojump_clock, caplog):
@@ -705,9 +712,59 @@ providers:
         return load_config(tmp_path / "op.yaml", env={})
 
     check_sink_paths(config_with("probes/perf.jsonl"))  # an ordinary history file
-    for own in ("op.yaml", "state/providers.json", "state", "./state/../op.yaml"):
+    check_sink_paths(config_with(str(tmp_path / "probes" / "abs.jsonl")))  # absolute, inside the workspace
+    for own in ("op.yaml", "state/providers.json", "state", "./state/op.yaml"):
         with pytest.raises(ConfigError, match=r"publish\[0\]\.path: .* would write over gridd's own files"):
             check_sink_paths(config_with(own))
+
+
+def test_file_sinks_live_under_the_workspace(tmp_path):
+    """docs/security.md: the issue's overwrite of any file the daemon can write (a sink at
+    /some/other/file with max_entries 1) is refused at start, reload and API write."""
+    from gridd.config import load_config
+    from gridd.errors import ConfigError
+    from gridd.probes.sinks import check_sink_paths
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "victim").write_text("precious\n")
+    (ws / "out").symlink_to(tmp_path)  # a symlink out of the workspace
+
+    def config_with(path: str):
+        (ws / "op.yaml").write_text(f"""
+role: operator
+site: a
+providers:
+  - name: p
+    model: m
+    settings:
+      endpoint: "http://127.0.0.1:9/v1"
+      probes: [{{name: perf, extract: [{{json: a.b}}], publish: [{{to: file, path: "{path}", max_entries: 1}}]}}]
+""")
+        return load_config(ws / "op.yaml", env={})
+
+    for outside in (str(tmp_path / "victim"), "/etc/passwd", "out/victim", str(ws / "out" / "victim")):
+        with pytest.raises(ConfigError, match=r"publish\[0\]\.path: .* is outside the workspace"):
+            check_sink_paths(config_with(outside))
+    for dotdot in ("../victim", "probes/../../victim", "probes/../x.jsonl"):
+        with pytest.raises(ConfigError, match=r"publish\[0\]\.path: '\.\.' is not allowed"):
+            config_with(dotdot)
+    assert (tmp_path / "victim").read_text() == "precious\n"
+
+
+async def test_a_sink_directory_swapped_for_a_symlink_is_refused_at_append(tmp_path):
+    from gridd.probes.sinks import JsonlHistory
+
+    ws = tmp_path / "ws"
+    (ws / "probes").mkdir(parents=True)
+    history = JsonlHistory(ws / "probes" / "h.jsonl", max_entries=10, run_io=inline_io, root=ws)
+    await history.append(b"{}\n")
+    (ws / "probes" / "h.jsonl").unlink()
+    (ws / "probes").rmdir()
+    (ws / "probes").symlink_to(tmp_path)  # swapped after the config was checked
+    with pytest.raises(OSError, match="leads outside the workspace"):
+        await history.append(b"{}\n")
+    assert not (tmp_path / "h.jsonl").exists()
 
 
 async def test_a_sink_path_that_is_not_a_regular_file_is_an_io_error_not_a_hang(tmp_path):

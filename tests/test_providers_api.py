@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 import trio
 import yaml
 from prometheus_client import CollectorRegistry
-from realproc import free_ports, wait_until
+from realproc import free_ports, gridctl_status, start_gridd, stop_all, wait_until
 
 from gridd.api.providers import (
     MASK,
@@ -28,12 +29,15 @@ from gridd.api.providers import (
     delete_provider,
     find_mask,
     redact_provider,
+    secret_bindings,
     upsert_provider,
 )
 from gridd.config import load_config, parse_config
-from gridd.errors import ConfigError
+from gridd.errors import ConfigError, StateError
 from gridd.operator.service import OperatorService
 
+WRITE_TOKEN = "file-token-0123456789"
+JSON = {"content-type": "application/json"}
 ENV = {"LLAMA_KEY": "llama-secret", "SECRET_KEY": "from-env", "ADMIN_TOKEN": "s3cret-admin"}
 
 CONFIG = """\
@@ -103,8 +107,13 @@ class Rig:
         self.reject: str | None = None
         self.reload_delay_s = 0.0
         kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-        self.app = ProvidersAPI(loaded=lambda: self.loaded, reload=self.reload, env=ENV, **kwargs)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://api")
+        self.app = ProvidersAPI(loaded=lambda: self.loaded, reload=self.reload, env=ENV,
+                                write_token=lambda: WRITE_TOKEN, **kwargs)
+        # Writes always need a token (docs/security.md): the rig's client sends the token
+        # file's unless a test says otherwise.
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1",
+                                        headers={"authorization": f"Bearer {WRITE_TOKEN}"})
+        self.anonymous = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1")
 
     async def reload(self):
         self.reloads += 1
@@ -371,14 +380,20 @@ async def test_redacted_get_posted_back_is_refused_until_resupplied(tmp_path):
     assert resp.status_code == 400
     assert "re-supply the real value or a ${VAR} placeholder" in error_of(resp)["message"]
     assert rig.path.read_bytes() == before
-    # Re-supplied: a placeholder for the key, the real values for the header and the URL.
-    shown["settings"]["auth"]["api_key"] = "${LLAMA_KEY}"  # a variable the config already uses
+    # Re-supplied: the real values for the header and the URL. A placeholder the config uses
+    # for another origin (LLAMA_KEY goes to 127.0.0.1:8089) may not be sent to this one.
+    shown["settings"]["auth"]["api_key"] = "${LLAMA_KEY}"
     shown["settings"]["auth"]["custom_headers"]["x-api-key"] = "hdr-secret"
     shown["metrics"]["url"] = "http://scraper:pw@127.0.0.1:8090/metrics"
     resp = await rig.client.post("/v1/providers/secret", json=shown)
+    assert resp.status_code == 400 and error_of(resp)["code"] == "secret_origin_changed"
+    assert error_of(resp)["param"] == "settings.auth.api_key"
+    assert rig.path.read_bytes() == before
+    shown["settings"]["auth"]["api_key"] = "sk-new"
+    resp = await rig.client.post("/v1/providers/secret", json=shown)
     assert resp.status_code == 200, resp.text
-    assert rig.loaded.config.providers[2].settings.auth.api_key == "llama-secret"  # resolved from LLAMA_KEY
-    assert rig.on_disk()["providers"][2]["settings"]["auth"]["api_key"] == "${LLAMA_KEY}"
+    assert rig.loaded.config.providers[2].settings.auth.api_key == "sk-new"
+    assert rig.on_disk()["providers"][2]["settings"]["auth"]["api_key"] == "sk-new"
 
 
 @pytest.mark.parametrize(("method", "path", "status", "allow"), [
@@ -408,7 +423,7 @@ async def test_routes(tmp_path, method, path, status, allow):
 ])
 async def test_malformed_json_is_400(tmp_path, content, message):
     rig = Rig(tmp_path)
-    resp = await rig.client.post("/v1/providers/local", content=content)
+    resp = await rig.client.post("/v1/providers/local", headers=JSON, content=content)
     assert resp.status_code == 400
     err = error_of(resp)
     assert err["message"].startswith(message) and err["code"] == "invalid_json"
@@ -420,7 +435,7 @@ async def test_nesting_bound(tmp_path, levels, code):
     before anything recursive (copy, YAML dump) sees it."""
     rig = Rig(tmp_path)
     body = b'{"metadata": ' + b'{"a": ' * levels + b"1" + b"}" * levels + b"}"
-    resp = await rig.client.post("/v1/providers/local", content=body)
+    resp = await rig.client.post("/v1/providers/local", headers=JSON, content=body)
     assert resp.status_code == 400 and error_of(resp)["code"] == code
 
 
@@ -428,12 +443,12 @@ async def test_body_cap(tmp_path):
     rig = Rig(tmp_path, max_body_bytes=64)
     at_cap = b'{"enabled": true' + b" " * (64 - 17) + b"}"
     assert len(at_cap) == 64
-    assert (await rig.client.post("/v1/providers/local", content=at_cap)).status_code == 200
-    over = await rig.client.post("/v1/providers/local", content=at_cap + b" ")
+    assert (await rig.client.post("/v1/providers/local", headers=JSON, content=at_cap)).status_code == 200
+    over = await rig.client.post("/v1/providers/local", headers=JSON, content=at_cap + b" ")
     assert over.status_code == 413 and error_of(over)["code"] == "request_too_large"
     (tmp_path / "default").mkdir()
     default = Rig(tmp_path / "default")
-    huge = await default.client.post("/v1/providers/local",
+    huge = await default.client.post("/v1/providers/local", headers=JSON,
                                      content=b'{"model": "' + b"x" * (1024 * 1024) + b'"}')
     assert huge.status_code == 413
 
@@ -495,14 +510,16 @@ async def test_admin_token(tmp_path):
     rig = Rig(tmp_path, api="api: {admin_token: \"${ADMIN_TOKEN}\"}\n")
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret-admin"}):
         for method, path in (("GET", "/v1/providers"), ("POST", "/v1/providers/local"), ("GET", "/nowhere")):
-            resp = await rig.client.request(method, path, headers=headers, json=EXAMPLE_2)
+            resp = await rig.anonymous.request(method, path, headers=headers, json=EXAMPLE_2)
             assert resp.status_code == 401, (headers, method, path)
             assert resp.headers["www-authenticate"].startswith("Bearer ")
             assert error_of(resp)["type"] == "authentication_error"
     assert rig.reloads == 0
     good = {"authorization": "Bearer s3cret-admin"}
-    assert (await rig.client.get("/v1/providers", headers=good)).status_code == 200
-    assert (await rig.client.post("/v1/providers/local", headers=good, json=EXAMPLE_2)).status_code == 200
+    assert (await rig.anonymous.get("/v1/providers", headers=good)).status_code == 200
+    assert (await rig.anonymous.post("/v1/providers/local", headers=good, json=EXAMPLE_2)).status_code == 200
+    # The token file's token is as good as the admin token (both are secrets of the host).
+    assert (await rig.client.get("/v1/providers")).status_code == 200
 
 
 async def test_operator_stage_guards_the_api(tmp_path):
@@ -512,9 +529,11 @@ async def test_operator_stage_guards_the_api(tmp_path):
     for old, new, message in (
         ("127.0.0.1:0", "127.0.0.1:1", "listen.http: changed; restart gridd to apply"),
         ("127.0.0.1:0", "0.0.0.0:0", "api.admin_token: required when the providers API listens"),
+        ("state_dir: state", "state_dir: state\nlimits: {http_max_connections: 5}",
+         "limits.http_*: changed; restart gridd to apply"),
     ):
         (tmp_path / "next.yaml").write_text(CONFIG.format(api="").replace(old, new))
-        with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             await operator.stage(load_config(tmp_path / "next.yaml", env=ENV))
 
 
@@ -523,10 +542,6 @@ async def test_operator_stage_guards_the_api(tmp_path):
 
 
 
-def gridctl_status(sock) -> dict | None:
-    out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                          "--socket", str(sock), "status", "--json"], capture_output=True, text=True, timeout=30)
-    return json.loads(out.stdout)["status"] if out.returncode == 0 else None
 
 
 
@@ -545,16 +560,15 @@ def test_real_operator_serves_the_providers_api(tmp_path):
     example = json.loads(json.dumps(EXAMPLE_2).replace("localhost:8088", f"127.0.0.1:{sim_port}"))
     procs = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--flavour", "vllm", "--port",
-                                       str(sim_port)], stderr=subprocess.DEVNULL, env=env))
-        operator = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(path)],
-                                    stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(start_gridd("sim", "--flavour", "vllm", "--port", str(sim_port), env=env))
+        operator = start_gridd("run", "--config", str(path), env=env, stderr=subprocess.PIPE)
         procs.append(operator)
         sock = tmp_path / "run" / "op.sock"
         # The control socket answers from the start, before the role's listeners are up.
         status = wait_until(lambda: (s := gridctl_status(sock)) and s["state"] == "serving" and s,
                           "the operator serving")
-        assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer"}
+        assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer",
+                                                          "token_file": str(tmp_path / "state" / "api-token")}
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
 
         with httpx.Client(base_url=base, timeout=30) as client:
@@ -613,13 +627,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
         assert operator.wait(timeout=20) == 0
         assert "stopped" in operator.stderr.read()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop_all(procs)
 
 
 @pytest.mark.realproc
@@ -631,3 +639,119 @@ def test_operator_without_token_refuses_a_non_loopback_api(tmp_path):
                          text=True, timeout=60, env={**os.environ, **ENV})
     assert out.returncode == 1
     assert "api.admin_token: required when the providers API listens beyond loopback" in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Security (docs/security.md): secrets bound to their origin, writes always authenticated
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://u:p[w]@h:1/m", f"http://u:{MASK}@h:1/m"),  # urllib refuses it as an IPv6 literal
+    ("http://h/m?sig=abc&x=1", f"http://h/m?sig={MASK}&x=1"),
+    ("http://h/m?pwd=abc", f"http://h/m?pwd={MASK}"),
+    ("http://h/m?jwt=abc", f"http://h/m?jwt={MASK}"),
+    ("http://h/m#access_token=abc", f"http://h/m#{MASK}"),
+    ("http://h/m#${FRAG}", "http://h/m#${FRAG}"),
+    ("http://[::1]:8/m?x=1", "http://[::1]:8/m?x=1"),
+])
+def test_url_masking_gaps_closed(url, shown):
+    assert redact_provider({"metrics": {"url": url}})["metrics"]["url"] == shown
+
+
+@pytest.mark.parametrize(("name", "body", "param"), [
+    # A stored literal key, a new metrics origin given its own auth naming no new secret: the
+    # provider's key stays home; but moving the endpoint keeps the key only if re-supplied.
+    ("secret", {"settings": {"endpoint": "http://evil.example/v1",
+                             "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}}, "settings.auth.api_key"),
+    # A placeholder the config uses, put into another origin's query string.
+    ("keyed", {"metrics": {"url": "http://evil.example/m?k=${LLAMA_KEY}"}}, "metrics.url"),
+    ("keyed", {"metrics": {"url": "http://127.0.0.1:8089/m",
+                           "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}}, None),
+    ("keyed", {"metrics": {"url": "http://127.0.0.1:9/m",
+                           "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}}, "metrics.auth.api_key"),
+    ("keyed", {"settings": {"endpoint": "http://127.0.0.1:8089/v1", "auth": {"scheme": "bearer",
+               "api_key": "${LLAMA_KEY}"}, "probes": [{"name": "p", "endpoint": "http://evil.example/x",
+               "extract": [{"json": "$.a"}], "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}]}},
+     "settings.probes[0].auth.api_key"),
+    # A new provider may use a placeholder only where the config already sends it.
+    ("fresh", {"model": "m", "settings": {"endpoint": "http://127.0.0.1:8089/v1",
+               "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}}, None),
+    ("fresh", {"model": "m", "settings": {"endpoint": "http://evil.example:8089/v1",
+               "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}}, "settings.auth.api_key"),
+    # A stored URL password (metrics of "secret") kept while the URL moves is impossible: the URL
+    # is in the body; given in full it is the caller's own secret.
+    ("secret", {"metrics": {"url": "http://scraper:pw@evil.example/metrics"}}, None),
+    # The endpoint moved with the key re-supplied in full: accepted.
+    ("secret", {"settings": {"endpoint": "http://evil.example/v1",
+                             "auth": {"scheme": "bearer", "api_key": "sk-literal"}}}, None),
+])
+async def test_secret_bound_to_origin(tmp_path, name, body, param):
+    rig = Rig(tmp_path)
+    before = rig.path.read_bytes()
+    resp = await rig.client.post(f"/v1/providers/{name}", json=body)
+    if param is None:
+        assert resp.status_code in (200, 201), resp.text
+        return
+    assert resp.status_code == 400, resp.text
+    err = error_of(resp)
+    assert (err["code"], err["param"]) == ("secret_origin_changed", param)
+    assert rig.path.read_bytes() == before and rig.reloads == 0
+
+
+def test_secret_bindings_of_a_provider():
+    provider = {"settings": {"endpoint": "https://h/v1", "auth": {"scheme": "bearer", "api_key": "${K}",
+                                                                  "custom_headers": {"x-t": "lit"}}},
+                "metrics": {"url": "http://epp:9090/metrics?token=abc"}}
+    assert secret_bindings(provider) == {
+        ("var", "K", "https://h:443"): "settings.auth.api_key",
+        ("lit", "lit", "https://h:443"): "settings.auth.custom_headers.x-t",
+        ("lit", "abc", "http://epp:9090"): "metrics.url",
+    }
+
+
+@pytest.mark.parametrize(("headers", "status", "code"), [
+    # The issue's cross-site write: text/plain (no CORS preflight), Origin and Host of the page.
+    ({"content-type": "text/plain", "origin": "http://evil.example", "host": "evil.example"}, 403,
+     "cross_origin_refused"),
+    ({"content-type": "application/json", "origin": "http://127.0.0.1"}, 403, "cross_origin_refused"),
+    ({"content-type": "text/plain"}, 401, "invalid_api_key"),  # no token: never a write
+    ({"content-type": "application/json"}, 401, "invalid_api_key"),
+    ({"content-type": "text/plain", "authorization": f"Bearer {WRITE_TOKEN}"}, 415, "unsupported_media_type"),
+    ({"content-type": "application/x-www-form-urlencoded", "authorization": f"Bearer {WRITE_TOKEN}"}, 415,
+     "unsupported_media_type"),
+    ({"authorization": f"Bearer {WRITE_TOKEN}"}, 415, "unsupported_media_type"),
+])
+async def test_writes_need_a_token_and_json_and_no_origin(tmp_path, headers, status, code):
+    rig = Rig(tmp_path)
+    before = rig.path.read_bytes()
+    resp = await rig.anonymous.post("/v1/providers/local", headers=headers, content=json.dumps(EXAMPLE_2))
+    assert resp.status_code == status and error_of(resp)["code"] == code
+    resp = await rig.anonymous.delete("/v1/providers/local", headers={k: v for k, v in headers.items()
+                                                                     if k != "content-type"})
+    assert resp.status_code == (403 if "origin" in headers else 401 if "authorization" not in headers else 204)
+    if resp.status_code != 204:
+        assert rig.path.read_bytes() == before and rig.reloads == 0
+
+
+@pytest.mark.parametrize(("host", "status"), [
+    ("127.0.0.1:9180", 200), ("localhost", 200), ("[::1]:9180", 200), ("LOCALHOST:1", 200),
+    ("evil.example", 403), ("evil.example:9180", 403), ("10.0.0.1:9180", 403),
+])
+async def test_loopback_reads_need_a_loopback_host(tmp_path, host, status):
+    """A DNS-rebinding page reads with its own name in Host; without a token that is refused."""
+    rig = Rig(tmp_path)
+    resp = await rig.anonymous.get("/v1/providers", headers={"host": host})
+    assert resp.status_code == status
+    assert (await rig.client.get("/v1/providers", headers={"host": host})).status_code == 200  # token: any Host
+
+
+def test_api_token_file(tmp_path):
+    from gridd.state import StateDir
+    state = StateDir(tmp_path / "state")
+    token = state.api_token()
+    path = tmp_path / "state" / "api-token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(token) >= 40
+    assert state.api_token() == token  # read again at the next start
+    path.chmod(0o644)
+    with pytest.raises(StateError, match="mode 0644; make it 0600"):
+        state.api_token()

@@ -45,10 +45,12 @@ __all__ = [
     "ProvidersAPI",
     "bearer_matches",
     "check_api_exposure",
+    "check_secret_origins",
     "delete_provider",
     "find_mask",
     "redact_provider",
     "render_config",
+    "secret_bindings",
     "upsert_provider",
 ]
 
@@ -124,10 +126,10 @@ def bearer_matches(authorization: list[bytes], token: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Redaction: GET must not hand out credentials, but must round-trip as a POST payload
 
-# A custom header whose name says it carries a credential (authorization, x-api-key, api-key,
-# cookie, x-auth-token, ...). Broad on purpose: a masked header costs a re-supply on POST; an
-# unmasked one leaks.
-_SECRET_HEADER = re.compile(r"auth|key|token|secret|passw|cookie|session|credential|signature", re.I)
+# A custom header or query parameter whose name says it carries a credential (authorization,
+# x-api-key, api-key, cookie, x-auth-token, sig, pwd, jwt, ...). Broad on purpose: a masked
+# value costs a re-supply on POST; an unmasked one leaks.
+_SECRET_HEADER = re.compile(r"auth|key|token|secret|passw|pwd|cookie|session|credential|sig|jwt", re.I)
 # A value that reveals only environment variable names: one or more ``${VAR}`` (or ``${VAR:-}``,
 # an empty default) after an optional scheme word ("Bearer ${TOKEN}"). A non-empty default
 # (``${VAR:-sk-123}``) or any other literal text may be the secret itself and is masked.
@@ -146,35 +148,83 @@ def _masked(value: Any) -> Any:
     return MASK
 
 
+# scheme://authority path ?query #fragment, split by hand: urllib refuses a password holding
+# "[" or "]" (it takes them for an IPv6 literal), and a URL it refuses must still be masked.
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<authority>[^/?#]*)(?P<path>[^?#]*)"
+                  r"(?:\?(?P<query>[^#]*))?(?:#(?P<fragment>.*))?$", re.S)
+
+
+class _UrlParts(msgspec.Struct, frozen=True):
+    scheme: str
+    userinfo: str | None
+    hostport: str
+    path: str
+    query: str | None
+    fragment: str | None
+
+    def origin(self) -> str:
+        """scheme://host:port as written, lower-cased, the scheme's default port filled in."""
+        hostport = self.hostport.lower()
+        if not re.search(r":\d+$", hostport):
+            port = {"http": 80, "https": 443, "ws": 80, "wss": 443}.get(self.scheme.lower())
+            hostport = f"{hostport}:{port}" if port else hostport
+        return f"{self.scheme.lower()}://{hostport}"
+
+
+def _split_url(value: str) -> _UrlParts | None:
+    m = _URL.match(value)
+    if m is None:
+        return None
+    userinfo, at, hostport = m.group("authority").rpartition("@")  # userinfo ends at the LAST @, as in httpx
+    return _UrlParts(m.group("scheme"), userinfo if at else None, hostport, m.group("path"),
+                     m.group("query"), m.group("fragment"))
+
+
+def _url_secret_values(parts: _UrlParts) -> list[tuple[str, str]]:
+    """(where, value) of every credential a URL carries: the password of user:password (or a
+    token given as the user name alone), credential-named query parameters, the fragment."""
+    found: list[tuple[str, str]] = []
+    if parts.userinfo:
+        user, colon, password = parts.userinfo.partition(":")
+        if colon and password:
+            found.append(("password", password))
+        elif not colon and user:
+            found.append(("user", user))
+    if parts.query:
+        for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+            if value and _SECRET_HEADER.search(key):
+                found.append((f"query {key}", value))
+    if parts.fragment:
+        found.append(("fragment", parts.fragment))
+    return found
+
+
 def _mask_url(value: str) -> str:
-    """Mask a URL's credentials: the whole userinfo (a token can be the user name alone) and
-    credential-named query parameters. Parsed like httpx parses it (userinfo ends at the
-    LAST ``@``). A URL with nothing to mask is returned byte for byte."""
-    try:
-        parts = urllib.parse.urlsplit(value)
-    except ValueError:
+    """Mask a URL's credentials (_url_secret_values) unless they name only placeholders. A URL
+    with nothing to mask is returned byte for byte."""
+    parts = _split_url(value)
+    if parts is None:
         return value
-    if not parts.scheme or not parts.netloc:
+    secrets = {where: v for where, v in _url_secret_values(parts) if not _names_only(v)}
+    if not secrets:
         return value
-    netloc, masked = parts.netloc, False
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user, colon, password = userinfo.partition(":")
-        if colon:
-            # user:password: the password is the secret (placeholders stay as written)
-            if password and not _names_only(password):
-                netloc, masked = f"{user}:{MASK}@{hostport}", True
-        elif user and not _names_only(user):
-            netloc, masked = f"{MASK}@{hostport}", True  # a token given as the user name alone
+    userinfo = parts.userinfo
+    if "password" in secrets:
+        userinfo = f"{parts.userinfo.partition(':')[0]}:{MASK}"
+    elif "user" in secrets:
+        userinfo = MASK
     query = parts.query
-    if query:
+    if query and any(w.startswith("query ") for w in secrets):
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        hidden = [(k, MASK if _SECRET_HEADER.search(k) and v and not _names_only(v) else v) for k, v in pairs]
-        if hidden != pairs:
-            query, masked = urllib.parse.urlencode(hidden, safe="*${}:-"), True
-    if not masked:
-        return value
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        query = urllib.parse.urlencode(
+            [(k, MASK if f"query {k}" in secrets and v and not _names_only(v) else v) for k, v in pairs],
+            safe="*${}:-")
+    out = f"{parts.scheme}://{userinfo + '@' if userinfo is not None else ''}{parts.hostport}{parts.path}"
+    if query is not None:
+        out += f"?{query}"
+    if parts.fragment is not None:
+        out += f"#{MASK if 'fragment' in secrets else parts.fragment}"
+    return out
 
 
 def _mask_url_passwords(node: Any) -> Any:
@@ -237,6 +287,111 @@ def _nesting_exceeds(node: Any, limit: int) -> bool:
             return True
         stack.extend((child, depth + 1) for child in children)
     return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Secrets bound to their origin (docs/security.md)
+#
+# A secret is bound to the origin (scheme, host, port) it was configured for. A POST that
+# would send a secret to an origin it is not bound to in the running config (a changed
+# settings.endpoint, metrics.url or probe endpoint, a placeholder moved into another URL's
+# query) is refused unless the request itself carries the secret in full: a literal value
+# present in the body. A ``${VAR}`` placeholder is never "supplied": its value is the
+# daemon's, so it may only go where the running config already sends it.
+
+Binding = tuple[str, str, str]
+"""("var", NAME, origin) or ("lit", value, origin)."""
+
+
+def _origin_of(url: Any) -> str | None:
+    parts = _split_url(url) if isinstance(url, str) else None
+    return parts.origin() if parts is not None else None
+
+
+def _secret_value_bindings(value: Any, origin: str, where: str, out: dict[Binding, str]) -> None:
+    if not isinstance(value, str) or not value:
+        return
+    for name in placeholder_names(value):
+        out.setdefault(("var", name, origin), where)
+    if not _names_only(value):
+        out.setdefault(("lit", value, origin), where)
+
+
+def _auth_bindings(auth: Any, origin: str | None, where: str, out: dict[Binding, str]) -> None:
+    if not isinstance(auth, dict) or origin is None:
+        return
+    _secret_value_bindings(auth.get("api_key"), origin, f"{where}.api_key", out)
+    headers = auth.get("custom_headers")
+    for name, value in (headers.items() if isinstance(headers, dict) else ()):
+        _secret_value_bindings(value, origin, f"{where}.custom_headers.{name}", out)
+
+
+def _url_bindings(url: Any, where: str, out: dict[Binding, str]) -> None:
+    parts = _split_url(url) if isinstance(url, str) else None
+    if parts is None:
+        return
+    origin = parts.origin()
+    for _, value in _url_secret_values(parts):
+        _secret_value_bindings(value, origin, where, out)
+    # Any placeholder outside the host (path, query, userinfo) travels to that origin.
+    for name in placeholder_names(url) - placeholder_names(parts.hostport):
+        out.setdefault(("var", name, origin), where)
+
+
+def secret_bindings(provider: Mapping[str, Any]) -> dict[Binding, str]:
+    """Every (secret, origin) a provider, as written, sends, with the field it comes from.
+    ``settings.auth`` goes to ``settings.endpoint``'s origin (and to probe and metrics URLs of
+    that same origin, which binds nothing new); a URL's own ``auth`` block to that URL."""
+    out: dict[Binding, str] = {}
+    settings = provider.get("settings") if isinstance(provider.get("settings"), dict) else {}
+    endpoint = settings.get("endpoint")
+    _url_bindings(endpoint, "settings.endpoint", out)
+    _auth_bindings(settings.get("auth"), _origin_of(endpoint), "settings.auth", out)
+    probes = settings.get("probes")
+    for i, probe in enumerate(probes if isinstance(probes, list) else ()):
+        if not isinstance(probe, dict):
+            continue
+        where = f"settings.probes[{i}]"
+        _url_bindings(probe.get("endpoint"), f"{where}.endpoint", out)
+        _auth_bindings(probe.get("auth"), _origin_of(probe.get("endpoint") or endpoint), f"{where}.auth", out)
+    metrics = provider.get("metrics")
+    if isinstance(metrics, dict):
+        _url_bindings(metrics.get("url"), "metrics.url", out)
+        _auth_bindings(metrics.get("auth"), _origin_of(metrics.get("url")), "metrics.auth", out)
+    return out
+
+
+def _all_bindings(raw: Mapping[str, Any]) -> set[Binding]:
+    found: set[Binding] = set()
+    for provider in raw.get("providers") or []:
+        if isinstance(provider, dict):
+            found |= set(secret_bindings(provider))
+    return found
+
+
+def _body_strings(node: Any) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    items = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    return [text for item in items for text in _body_strings(item)]
+
+
+def check_secret_origins(running: Mapping[str, Any], written: Mapping[str, Any], body: Any) -> None:
+    """Refuse a provider (as it would be written) that sends a secret to an origin the running
+    config does not send it to, unless the body carries that secret in full (module rule)."""
+    bound = _all_bindings(running)
+    given = _body_strings(body)
+    for (kind, value, origin), where in secret_bindings(written).items():
+        if (kind, value, origin) in bound:
+            continue
+        if kind == "var":
+            raise ApiError(400, f"{where}: ${{{value}}} would be sent to {origin}, which the running config does "
+                                "not send it to; give the value itself in this request, or edit the config file "
+                                "by hand", code="secret_origin_changed", param=where)
+        if not any(value in text for text in given):
+            raise ApiError(400, f"{where}: a stored secret would be sent to {origin}, which it is not configured "
+                                "for; re-supply it in full in this request", code="secret_origin_changed",
+                           param=where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,10 +504,12 @@ class ProvidersAPI:
     ``run_io`` runs blocking file IO (a worker thread by default)."""
 
     def __init__(self, *, loaded: Callable[[], LoadedConfig], reload: Reload,
+                 write_token: Callable[[], str | None] = lambda: None,
                  env: Mapping[str, str] | None = None, run_io: RunIO = trio.to_thread.run_sync,
                  max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self._loaded = loaded
         self._reload = reload
+        self._write_token = write_token
         self._env = env
         self._run_io = run_io
         self.max_body_bytes = max_body_bytes
@@ -380,14 +537,30 @@ class ProvidersAPI:
             return
 
     def _authorize(self, scope: Scope) -> None:
-        token = self._loaded().config.api.admin_token
-        if not token:
-            return  # loopback only: check_api_exposure refused anything else at start and reload
-        presented = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
-        if not bearer_matches(presented, token):
-            raise ApiError(401, "a valid admin bearer token is required (Authorization: Bearer <api.admin_token>)",
-                           code="invalid_api_key", type_="authentication_error",
-                           headers=[(b"www-authenticate", b'Bearer realm="gridd providers API"')])
+        """DESIGN (docs/security.md): writes always need a token, the admin token or the token
+        file's; reads need one too unless the API serves on loopback without an admin token.
+        A browser can neither read nor write: any Origin header is refused (a page's fetch
+        sends one), and a loopback read without a token must name a loopback Host (a DNS
+        rebinding page names its own)."""
+        headers = scope["headers"]
+        if any(k.lower() == b"origin" for k, _ in headers):
+            raise ApiError(403, "requests from a web page (with an Origin header) are refused",
+                           code="cross_origin_refused", type_="permission_error")
+        admin = self._loaded().config.api.admin_token
+        tokens = [t for t in (admin, self._write_token()) if t]
+        presented = [v for k, v in headers if k.lower() == b"authorization"]
+        if any(bearer_matches(presented, t) for t in tokens):
+            return
+        if not admin and not presented and scope["method"] in ("GET", "HEAD"):
+            host = next((v for k, v in headers if k.lower() == b"host"), b"").decode("latin-1")
+            if _loopback_host(host):
+                return  # loopback only: check_api_exposure refused anything else at start and reload
+            raise ApiError(403, f"Host {host!r} is not a loopback address; reading without a token is for "
+                                "loopback clients only", code="host_refused", type_="permission_error")
+        what = "api.admin_token" if admin else "the token in the state directory's api-token file (gridctl reads it)"
+        raise ApiError(401, f"a valid bearer token is required (Authorization: Bearer <{what}>)",
+                       code="invalid_api_key", type_="authentication_error",
+                       headers=[(b"www-authenticate", b'Bearer realm="gridd providers API"')])
 
     async def _route(self, scope: Scope,
                      receive: Receive) -> tuple[int, Any, list[tuple[bytes, bytes]]]:
@@ -407,12 +580,15 @@ class ProvidersAPI:
                 raise _not_found(name)
             return 200, redact_provider(provider), []
         if method == "POST":
+            _require_json(scope)
             fields = await self._read_json(receive)
             masked_at = find_mask(fields)
             if masked_at is not None:
                 raise ApiError(400, f"{masked_at}: the value is the redaction mask {MASK!r}; re-supply the real "
                                     "value or a ${VAR} placeholder", code="redacted_value", param=masked_at)
-            written, created = await self._mutate(lambda raw: upsert_provider(raw, name, fields))
+            written, created = await self._mutate(lambda raw: upsert_provider(raw, name, fields),
+                                                  guard=lambda running, provider: check_secret_origins(
+                                                      running, provider, fields))
             headers = [(b"location", f"{ITEM_PREFIX}{name}".encode())] if created else []
             return (201 if created else 200), redact_provider(written), headers
         if method == "DELETE":
@@ -446,8 +622,10 @@ class ProvidersAPI:
                            code="invalid_json")
         return fields
 
-    async def _mutate(self, edit: Callable[[dict[str, Any]], tuple[dict[str, Any], Any, bool]]) -> tuple[Any, bool]:
-        """Edit, validate, persist, reload; on a rejected reload, put the old file back."""
+    async def _mutate(self, edit: Callable[[dict[str, Any]], tuple[dict[str, Any], Any, bool]],
+                      guard: Callable[[dict[str, Any], Any], None] | None = None) -> tuple[Any, bool]:
+        """Edit, validate, persist, reload; on a rejected reload, put the old file back.
+        ``guard(running raw tree, provider as written)`` may refuse the edit (ApiError)."""
         async with self._lock:
             loaded = self._loaded()
             tree, written, created = edit(loaded.raw)
@@ -460,6 +638,8 @@ class ProvidersAPI:
                                     + ", ".join(f"${{{n}}}" for n in unknown)
                                     + "; add them to the config file by hand first",
                                code="unknown_placeholder")
+            if guard is not None:
+                guard(loaded.raw, written)
             text = render_config(tree)
             try:
                 _, reparsed = await self._run_io(self._validate, text, str(loaded.path))
@@ -490,6 +670,23 @@ class ProvidersAPI:
 
     def _validate(self, text: str, source: str) -> tuple[Config, dict[str, Any]]:
         return parse_config(text, env=None if self._env is None else dict(self._env), source=source)
+
+
+def _loopback_host(host: str) -> bool:
+    """A Host header naming this machine's loopback: an IP literal or "localhost", any port."""
+    name = host.rpartition(":")[0] if re.search(r":\d+$", host) else host
+    name = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    return name.lower() == "localhost" or _is_loopback(name)
+
+
+def _require_json(scope: Scope) -> None:
+    """A write's body must be declared application/json: a web form or a text/plain "simple
+    request" (no CORS preflight) is refused before its body is read."""
+    declared = [v for k, v in scope["headers"] if k.lower() == b"content-type"]
+    media = declared[0].split(b";", 1)[0].strip().lower() if len(declared) == 1 else b""
+    if media != b"application/json":
+        raise ApiError(415, "the request body must be sent as Content-Type: application/json",
+                       code="unsupported_media_type", param="content-type")
 
 
 def _method_not_allowed(method: str, path: str, allow: bytes) -> ApiError:

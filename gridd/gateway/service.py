@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse_signals_url
 from gridd.clock import wall_clock
-from gridd.config import Config, LoadedConfig
+from gridd.config import Config, LoadedConfig, http_limits
 from gridd.core.decisions import Decision
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, RoutingKnobs
@@ -258,7 +258,7 @@ class GatewayService:
     async def _serve_front(self, app, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await serve_asgi(app, [self.config.listen.http], stop_accepting=self._stop_accepting,
-                             task_status=task_status)
+                             task_status=task_status, **http_limits(self.config))
         finally:
             self._front_done.set()
 
@@ -373,6 +373,8 @@ class GatewayService:
         if new.config.listen.http != self.config.listen.http:
             raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
         check_gateway_config(new.config)
+        if http_limits(new.config) != http_limits(self.config):
+            raise GriddError("limits.http_*: changed; restart gridd to apply", reason="config")
         tls = await trio.to_thread.run_sync(load_gateway_tls, new, self.wall())
         digest = await trio.to_thread.run_sync(tls_files_digest, new)
         return StagedGateway(new, tls, digest)

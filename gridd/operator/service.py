@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
 from gridd.clock import wall_clock
-from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig
+from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for, http_limits
 from gridd.core.admission import AdmissionFences
 from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
@@ -47,7 +47,7 @@ from gridd.operator.signals import (
 )
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
-from gridd.state import EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
+from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
 
@@ -78,11 +78,9 @@ def scrape_target(provider: ProviderConfig) -> ScrapeTarget | None:
     source = provider.metrics
     if source is None or not provider.enabled:
         return None
-    headers = {}
-    auth = provider.settings.auth
-    if source.url.startswith(("http://", "https://")) and auth.scheme == "bearer" and auth.api_key:
-        # An EPP's /metrics wants a bearer token by default (--metrics-endpoint-auth).
-        headers["authorization"] = f"Bearer {auth.api_key}"
+    # An EPP's /metrics wants a bearer token by default (--metrics-endpoint-auth): give it its
+    # own metrics.auth. The provider's key goes only to its own origin (docs/security.md).
+    headers = credentials_for(source.url, source.auth, provider)
     return ScrapeTarget(provider.name, source.url, source.timeout_s, headers)
 
 
@@ -154,7 +152,8 @@ class OperatorService:
                                         metrics=self.signals_metrics, wall=wall, feedback=self.take_feedback)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
                                     timings=lambda: self.config.timings, wall=wall,
-                                    open_link=open_peer_link or self._open_peer_link)
+                                    open_link=open_peer_link or self._open_peer_link,
+                                    limits=lambda: self.config.limits)
         registry.register(ProviderCollector(
             self.holdings,
             lambda: list(self.publishers.values()),
@@ -175,7 +174,9 @@ class OperatorService:
         # The providers API (docs/providers-api.md) on listen.http; its mutations go through
         # the daemon's staged reload, attached by the daemon (attach_reload).
         self._reload: Callable[..., Awaitable[Mapping[str, Any]]] | None = None
-        self.api = ProvidersAPI(loaded=lambda: self.loaded, reload=self._reload_for_api)
+        self.api_token: str | None = None
+        self.api = ProvidersAPI(loaded=lambda: self.loaded, reload=self._reload_for_api,
+                                write_token=lambda: self.api_token)
         self.api_urls: list[str] = []
         self._api_stop = trio.Event()
         self._api_done = trio.Event()
@@ -197,7 +198,7 @@ class OperatorService:
         assert self.config.listen.http is not None
         try:
             await serve_asgi(self.api, [self.config.listen.http], stop_accepting=self._api_stop,
-                             task_status=task_status)
+                             task_status=task_status, **http_limits(self.config))
         finally:
             self._api_done.set()
 
@@ -207,6 +208,9 @@ class OperatorService:
         # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
         check_operator_config(self.loaded)
         self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
+        if self.config.listen.http is not None:
+            # Writes always need a token: this one (docs/security.md), read by gridctl.
+            self.api_token = await trio.to_thread.run_sync(self.state.api_token)
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         claim = await trio.to_thread.run_sync(partial(
             self.state.claim_publisher_epoch, self.wall(), future_bound_s=self.config.timings.future_epoch_bound_s))
@@ -463,6 +467,8 @@ class OperatorService:
         check_operator_config(new)
         if cfg.listen.http != old.listen.http:
             raise ConfigError("listen.http: changed; restart gridd to apply")
+        if http_limits(cfg) != http_limits(old):
+            raise ConfigError("limits.http_*: changed; restart gridd to apply")
         if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
             # The HTTP pool is sized to the limiter at start (it must never be the smaller).
             raise ConfigError("timings.scrape_concurrency: changed; restart gridd to apply")
@@ -569,7 +575,8 @@ class OperatorService:
             "peers": self.peers.status(),
             "providers_api": {
                 "listen": self.api_urls,
-                "auth": "bearer" if self.config.api.admin_token else "loopback only",
+                "auth": "bearer" if self.config.api.admin_token else "token for writes; loopback reads",
+                "token_file": str(self.state.path / API_TOKEN_FILE) if self.api_token else None,
             },
             # Independent of peer diagnostics (spec): explains discarded signals, changes
             # no network phase and no routing.

@@ -42,9 +42,10 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from gridd.channel import ChannelError, ChannelLimits, SignalsSession, parse_signals_url
-from gridd.config import Config, LoadedConfig, PeerConfig, TimingConfig
+from gridd.config import Config, LimitsConfig, LoadedConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.holdings import Holdings
+from gridd.core.peer_intake import INTAKE_REFUSALS, NAME_MAX, PeerIntake
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError
 from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material
@@ -80,6 +81,8 @@ REFUSAL_REASONS: Final = ("tls", "handshake", "identity", "forbidden", "protocol
 EXPIRE_EVERY_S: Final = 1.0
 RELAY_RETENTION_TTLS = 2.0
 """A peer's reading is relayed (stale) until this many signal TTLs old, then forgotten."""
+REFUSAL_LOG_EVERY_S = 60.0
+"""A peer over its bounds (gridd.core.peer_intake) is logged at most this often."""
 
 # The answer to a feedback report from an endpoint built without a feedback intake: a
 # defined status that the gateway's reporter counts as not accepted (DESIGN 5b).
@@ -392,6 +395,8 @@ class PeerPoller:
         timings: Callable[[], TimingConfig],
         wall: Callable[[], float],
         transitions: TransitionLog | None = None,
+        intake: PeerIntake | None = None,
+        limits: Callable[[], LimitsConfig] = LimitsConfig,
     ) -> None:
         self.peer = peer
         self.fences = fences
@@ -400,6 +405,11 @@ class PeerPoller:
         self.wall = wall
         # Shared by the supervisor, so a restarted poller keeps the peer's line budget.
         self.transitions = transitions if transitions is not None else TransitionLog()
+        self.intake = intake if intake is not None else PeerIntake()
+        self.limits = limits
+        # Batches refused by the per-peer bounds (gridd.core.peer_intake), by reason.
+        self.refused: dict[str, int] = dict.fromkeys(INTAKE_REFUSALS, 0)
+        self._refusal_logged_at = -math.inf
         self.link: PeerLink | None = None
         self.state: PeerState = "unknown"
         self.last_success_at: float | None = None
@@ -461,7 +471,16 @@ class PeerPoller:
             # held here (an announcement never creates state).
             if key.site == verified_site and self.holdings.get(key.site, key.provider) is not None:
                 self.holdings.remove(key.site, key.provider, now)
+        max_providers = self.limits().peer_max_providers
+        refused_now = 0
         for batch in batches:
+            refusal = self.intake.take(verified_site, batch.site, batch.provider, now=now,
+                                       max_providers=max_providers)
+            if refusal is not None:
+                self.refused[refusal] += 1
+                self.admitted["dropped"] += 1
+                refused_now += 1
+                continue
             verdict = self.fences.admit(batch, now_wall=now_wall, verified_site=verified_site)
             if verdict.outcome is Outcome.ACCEPTED:
                 self.holdings.hold(batch, now)
@@ -473,6 +492,12 @@ class PeerPoller:
                 self.admitted["dropped"] += 1
                 log.debug("peer %s: batch %s/%s dropped (%s): %s", self.peer.site, batch.site,
                           batch.provider, verdict.reason, verdict.detail)
+        if refused_now and now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
+            # One line per REFUSAL_LOG_EVERY_S at most, however hard the peer floods.
+            self._refusal_logged_at = now
+            log.warning("peer %s: refusing batches over its bounds (%d this poll; %d provider names held, cap %d; "
+                        "names over %d characters refused): totals %s", self.peer.site, refused_now,
+                        self.intake.held(verified_site), max_providers, NAME_MAX, self.refused)
 
     def _succeeded(self) -> None:
         self.last_success_at = trio.current_time()
@@ -507,6 +532,7 @@ class PeerPoller:
             "polls": self.polls,
             "failures": self.failures,
             "batches": dict(self.admitted),
+            "refused": dict(self.refused),
         }
 
 
@@ -536,6 +562,7 @@ class PeerSupervisor:
         timings: Callable[[], TimingConfig],
         wall: Callable[[], float],
         open_link: OpenLink,
+        limits: Callable[[], LimitsConfig] = LimitsConfig,
     ) -> None:
         self.own_site = own_site
         self.fences = fences
@@ -543,6 +570,8 @@ class PeerSupervisor:
         self.timings = timings
         self.wall = wall
         self.open_link = open_link
+        self.limits = limits
+        self.intake = PeerIntake()
         self.tasks: dict[tuple[str, str], PeerTask] = {}
         self._nursery: trio.Nursery | None = None
         self.transitions = TransitionLog()
@@ -584,7 +613,7 @@ class PeerSupervisor:
                 continue
             task = self.tasks[key] = PeerTask(peer, PeerPoller(
                 peer, fences=self.fences, holdings=self.holdings, timings=self.timings, wall=self.wall,
-                transitions=self.transitions))
+                transitions=self.transitions, intake=self.intake, limits=self.limits))
             self._nursery.start_soon(self._run_peer, task, name=f"peer-poller-{peer.site}")
             started.append(key)
         return started
@@ -615,6 +644,12 @@ class PeerSupervisor:
                 log.info("dropped %d readings older than %g s (%g x the signal TTL): %s", len(gone),
                          ttl * RELAY_RETENTION_TTLS, RELAY_RETENTION_TTLS,
                          ", ".join(f"{site}/{provider}" for site, provider in gone))
+            # Names a peer stopped sending: their admission fences go too, after the same
+            # retention, so a peer cycling through names cannot grow the fences without bound.
+            for site, provider in self.intake.forget_unseen(now=trio.current_time(),
+                                                           retention_s=ttl * RELAY_RETENTION_TTLS):
+                self.fences.forget(site, provider)
+                self.holdings.forget(site, provider)
             next_at += EXPIRE_EVERY_S
             await trio.sleep_until(next_at)
 

@@ -30,9 +30,10 @@ never delays routing's values; a sink error (disk full, permission) is counted a
 once per run of errors, and never stops the probe. A bug in a tick is logged and counted
 (``internal``); the probe goes on at its next grid point.
 
-Credentials. The provider's auth (bearer or header, and its custom headers) is sent only to
-the provider's own origin (scheme, host and port of ``settings.endpoint``): a probe of
-another host never receives the provider's secret.
+Credentials. A probe's own ``auth`` block is sent to its endpoint; without one, the provider's
+auth (bearer or header, and its custom headers) is sent only to the provider's own origin
+(scheme, host and port of ``settings.endpoint``): a probe of another host never receives the
+provider's secret (gridd.config.credentials_for; docs/security.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import httpx
 import msgspec
 import trio
 
-from gridd.config import ProbeConfig, ProviderConfig
+from gridd.config import ProbeConfig, ProviderConfig, credentials_for
 from gridd.core.probes import Extractor, ExtractTimeout, ProbeSeries
 from gridd.core.publication import ProviderPublisher
 from gridd.operator.scrape import FAILURE_CLASSES, ScrapeTarget, fetch_capped
@@ -79,24 +80,6 @@ class ProbeSpec(msgspec.Struct, frozen=True):
     """Resolved paths of the file sinks, in ``publish`` order."""
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    u = httpx.URL(url)
-    return u.scheme, u.host, u.port
-
-
-def probe_headers(provider: ProviderConfig, url: str) -> dict[str, str]:
-    """The provider's credentials, for its own origin only (module docstring)."""
-    if _origin(url) != _origin(provider.settings.endpoint):
-        return {}
-    auth = provider.settings.auth
-    headers = dict(auth.custom_headers)
-    if auth.scheme == "bearer" and auth.api_key:
-        headers["authorization"] = f"Bearer {auth.api_key}"
-    elif auth.scheme == "header" and auth.api_key:
-        headers[auth.header_name] = auth.api_key
-    return headers
-
-
 def probe_specs(providers: list[ProviderConfig], resolve: Callable[[str], pathlib.Path]) -> dict[ProbeKey, ProbeSpec]:
     """The probes that should run: the enabled probes of the enabled providers."""
     wanted: dict[ProbeKey, ProbeSpec] = {}
@@ -109,7 +92,7 @@ def probe_specs(providers: list[ProviderConfig], resolve: Callable[[str], pathli
             url = probe.endpoint or provider.settings.endpoint
             files = tuple(str(file_sink_path(resolve, s.path)) for s in probe.publish if s.to == "file" and s.path)
             wanted[(provider.name, probe.name)] = ProbeSpec(provider.name, probe, url,
-                                                            probe_headers(provider, url), files)
+                                                            credentials_for(url, probe.auth, provider), files)
     return wanted
 
 
@@ -281,7 +264,8 @@ class ProbeRunner:
                 path = file_sink_path(self.resolve, sink.path)
                 history = self.histories.get(path)
                 if history is None:
-                    history = self.histories[path] = JsonlHistory(path, sink.max_entries, self.run_io)
+                    history = self.histories[path] = JsonlHistory(path, sink.max_entries, self.run_io,
+                                                                      root=self.resolve("."))
                 history.max_entries = sink.max_entries
                 sinks.append(FileSink(history, provider=spec.provider, probe=spec.probe.name, wall=self.wall))
         return sinks

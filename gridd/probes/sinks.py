@@ -104,11 +104,23 @@ def _count_lines(path: pathlib.Path) -> tuple[int, bool]:
     return lines + (1 if partial else 0), partial
 
 
-class JsonlHistory:
-    """One JSONL file, shared by every file sink that names it (they serialise on a lock)."""
+def _check_inside(path: pathlib.Path, root: pathlib.Path) -> None:
+    """Raise OSError unless ``path``'s directory, symlinks followed, is ``root`` or below it:
+    a directory swapped for a symlink after the config was checked cannot lead a sink out."""
+    real_root = os.path.realpath(root)
+    real_dir = os.path.realpath(path.parent)
+    if real_dir != real_root and not real_dir.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise OSError(errno.EACCES, f"{path} leads outside the workspace {root} (to {real_dir})")
 
-    def __init__(self, path: pathlib.Path, max_entries: int, run_io: RunIO) -> None:
+
+class JsonlHistory:
+    """One JSONL file, shared by every file sink that names it (they serialise on a lock).
+    ``root``: the workspace the file must stay under (checked on every append)."""
+
+    def __init__(self, path: pathlib.Path, max_entries: int, run_io: RunIO, *,
+                 root: pathlib.Path | None = None) -> None:
         self.path = path
+        self.root = root
         self.max_entries = max_entries
         self.run_io = run_io
         self.lines: int | None = None
@@ -128,8 +140,12 @@ class JsonlHistory:
     def _append_sync(self, record: bytes) -> None:
         try:
             prefix = b""
+            if self.root is not None:
+                _check_inside(self.path, self.root)
             if self.lines is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                if self.root is not None:
+                    _check_inside(self.path, self.root)
                 self.lines, partial = _count_lines(self.path)
                 if partial:
                     prefix = b"\n"
@@ -173,10 +189,13 @@ def file_sink_path(resolve: Callable[[str], pathlib.Path], path: str) -> pathlib
 
 
 def check_sink_paths(loaded: LoadedConfig) -> None:
-    """A file sink must not write over the daemon's own files: its config, its TLS material,
-    its control socket or anything in its state directory (a sink appends to and rewrites its
-    file). Raises ConfigError naming the sink."""
+    """File sinks live under the workspace (docs/security.md): no absolute path outside it, no
+    ``..`` (refused by the config decoder), no symlink out of it (the path is resolved). And
+    even there a sink must not write over the daemon's own files: its config, its TLS
+    material, its control socket or anything in its state directory (a sink appends to and
+    rewrites its file). Raises ConfigError naming the sink."""
     cfg = loaded.config
+    workspace = loaded.workspace.resolve()
     own = {loaded.path.resolve()}
     if cfg.tls is not None:
         own |= {loaded.resolve(p).resolve() for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca)}
@@ -189,6 +208,10 @@ def check_sink_paths(loaded: LoadedConfig) -> None:
                 if sink.to != "file" or not sink.path:
                     continue
                 target = loaded.resolve(sink.path).resolve()
+                if workspace not in target.parents:
+                    raise ConfigError(f"providers[{i}].settings.probes[{j}].publish[{k}].path: {sink.path!r} "
+                                      f"is outside the workspace {workspace} (file sinks live under it: a "
+                                      "relative path, no '..', no symlink out of it)")
                 if target in own or target == state or state in target.parents:
                     raise ConfigError(f"providers[{i}].settings.probes[{j}].publish[{k}].path: {sink.path!r} "
                                       "would write over gridd's own files (config, TLS, control socket, state)")
