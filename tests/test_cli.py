@@ -46,11 +46,15 @@ def test_gateway_view_lists_candidates():
     status = {**BASE, "role": "gateway", "role_status": {
         "operator": "wss://127.0.0.1:9443/signals", "operator_state": "up", "last_poll_error": None,
         "front": ["http://127.0.0.1:8000"], "models": ["m"], "shedding": ["m"],
-        "candidates": [{"model": "m", "site": "b", "provider": "pool-b", "age_s": 3.2, "ready": True,
-                        "excluded": None, "rho": 0.5, "capacity": 8.0}],
+        "candidates": [{"model": "m", "site": "b", "provider": "pool-b", "age_s": 3.2, "signal": "fresh",
+                        "ready": True, "excluded": None, "rho": 0.5, "capacity": 8.0},
+                       {"model": "m", "site": "c", "provider": "pool-c", "age_s": 31.0, "signal": "stale",
+                        "ready": True, "excluded": None, "rho": None, "capacity": 8.0}],
     }}
     text = format_status(status)
     assert "operator    wss://127.0.0.1:9443/signals  (up)" in text
     assert "shedding    m" in text
-    row = next(line for line in text.splitlines() if line.startswith("m "))
-    assert row.split() == ["m", "b", "pool-b", "3.2s", "yes", "-", "0.50", "8.0"]
+    rows = [line.split() for line in text.splitlines() if line.startswith("m ")]
+    assert rows == [["m", "b", "pool-b", "3.2s", "fresh", "yes", "-", "0.50", "8.0"],
+                    # A reading past the TTL is marked and shows no rho: it says nothing about now.
+                    ["m", "c", "pool-c", "31.0s", "STALE", "yes", "-", "-", "8.0"]]

@@ -248,7 +248,9 @@ async def test_every_candidate_excluded_is_503_not_404(grid, autojump_clock):
     assert isinstance(grid.gateway.router.decide("unknown-model"), UnknownModel)
 
 
-async def test_dead_peer_sorts_last_within_the_ttl_and_is_then_forgotten(grid, autojump_clock):
+async def test_dead_peer_sorts_last_within_the_ttl_and_is_then_silent(grid, autojump_clock):
+    from gridd.core.decisions import Forward
+
     o = grid.origin
     await trio.sleep_until(o + 7.0)
     assert sorted(grid.ordered_sites()) == ["a", "b"]
@@ -259,11 +261,14 @@ async def test_dead_peer_sorts_last_within_the_ttl_and_is_then_forgotten(grid, a
     snap = grid.gateway.store.snapshots["m"]
     assert [(v.site, v.stale) for v in snap.ordered] == [("a", False), ("b", True)]
     # operator a relays b's ageing reading until 2 x TTL (checked every second), then
-    # forgets it, and so does the gateway at its next poll
+    # forgets it; the gateway holds b as silent from 2 x TTL: excluded (a model served only
+    # by b would answer 503, not 404) until routing.candidate_retention_s (600 s).
     await trio.sleep_until(o + 44.0)
     assert [(v.site, v.stale) for v in grid.gateway.store.snapshots["m"].ordered] == [("a", False), ("b", True)]
     await trio.sleep_until(o + 47.0)
-    assert grid.ordered_sites() == ["a"]
+    assert grid.ordered_sites() == ["a"] and grid.excluded_sites() == ["b"]
+    decisions = [grid.gateway.router.decide("m") for _ in range(20)]
+    assert all(isinstance(d, Forward) and d.site == "a" for d in decisions)
     # /metrics already stopped showing b at the TTL
     reg = grid.operators["a"].registry
     assert reg.get_sample_value("grid_provider_ready", {"grid_site": "b", "grid_provider": "pool-b"}) is None
@@ -295,7 +300,7 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
         await load.start(saturate, grid.sims["b"], 40)
         # a's scrape at +6 shows 16 running + 24 waiting, at the gateway from its +6.5 poll;
         # b's scrape at +6 reaches a's peer poll at +10 and the gateway at +10.5: from then on
-        # every healthy site is saturated with work waiting. Shedding starts full_after_ms
+        # every healthy site is full (queues deeper than the batches). Shedding starts full_after_ms
         # (2 s) later, at +12.5.
         await trio.sleep_until(o + 10.6)
         snap = grid.gateway.store.snapshots["m"]
@@ -303,17 +308,21 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
         await trio.sleep_until(o + 12.49)
         assert isinstance(grid.gateway.router.decide("m"), Forward)
         await trio.sleep_until(o + 12.5)
-        shed = grid.gateway.router.decide("m")
-        assert isinstance(shed, Shed) and 1.0 <= shed.retry_after_s <= 60.0
+        # every site still full: Retry-After is a whole room_after_ms
+        assert grid.gateway.router.decide("m") == Shed(5.0)
         await trio.sleep_until(o + 15.25)
         load.cancel_scope.cancel()  # the clients go away; the simulators drain at once
-    # a's idle reading lands at +16.5; b's saturated reading (taken at +15) stays the latest
-    # sample of b until a's peer poll at +20 brings an idle one, at the gateway at +20.5. The
-    # last ingest that still showed saturation was +19.5: routing resumes room_after_ms
-    # (5 s) after it, at +24.5.
-    await trio.sleep_until(o + 24.49)
+    # a's idle reading (scrape at +16) lands at +16.5: from then on a is not full, though b's
+    # saturated reading (taken at +15) stays b's latest until a's peer poll at +20 (at the
+    # gateway at +20.5). Shedding ends once some site has not been full for room_after_ms
+    # (5 s), counted from +16.5 whatever b reads: at +21.5.
+    await trio.sleep_until(o + 20.4)
+    snap = grid.gateway.store.snapshots["m"]
+    assert {v.site: v.full for v in snap.ordered} == {"a": False, "b": True}
     assert isinstance(grid.gateway.router.decide("m"), Shed)
-    await trio.sleep_until(o + 24.5)
+    await trio.sleep_until(o + 21.49)
+    assert isinstance(grid.gateway.router.decide("m"), Shed)
+    await trio.sleep_until(o + 21.5)
     assert isinstance(grid.gateway.router.decide("m"), Forward)
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gridd.core.capacity import CapacityLearner
-from gridd.core.ordering import CandidateView, build_snapshot, candidate_view
+from gridd.core.ordering import CandidateView, Tier, build_snapshot, candidate_view
 from gridd.core.readings import LoadSignals, Revision
 
 
@@ -29,13 +29,14 @@ def test_least_loaded_first_stale_last_excluded_apart() -> None:
     ])
     assert sites(snap.ordered) == ["idle", "mid", "busy", "stale"]
     assert sites(snap.excluded) == ["down"]
-    assert sites(snap.room) == ["idle", "mid"]
+    assert sites(snap.room.candidates) == ["idle", "mid"]
+    assert sites(snap.fresh.candidates) == ["idle", "mid", "busy"]
 
 
 def test_stale_sorts_last_whatever_rho_it_carries() -> None:
     snap = build_snapshot("m", [view("stale", rho=0.0, stale=True), view("loaded", rho=3.0)])
     assert sites(snap.ordered) == ["loaded", "stale"]
-    assert snap.room == ()
+    assert len(snap.room) == 0
 
 
 def test_equal_load_breaks_on_capacity_then_queue_depth_then_name() -> None:
@@ -51,63 +52,63 @@ def test_equal_load_breaks_on_capacity_then_queue_depth_then_name() -> None:
 def test_precomputed_room_weights() -> None:
     snap = build_snapshot("m", [view("a", 2.0, 0.1), view("b", 3.0, 0.2), view("c", 5.0, 0.3),
                                 view("full", 50.0, 1.0)])
-    assert snap.room_capacity == (2.0, 3.0, 5.0)
-    assert snap.room_cum == (2.0, 5.0, 10.0)
-    assert snap.room_total == 10.0
+    assert snap.room == Tier(snap.ordered[:3], (2.0, 3.0, 5.0), (2.0, 5.0, 10.0), 10.0)
+    assert snap.fresh.capacities == (2.0, 3.0, 5.0, 50.0)
+    assert snap.fresh.cum == (2.0, 5.0, 10.0, 60.0) and snap.fresh.total == 60.0
+    assert Tier.of([]) == Tier() and len(Tier()) == 0
 
 
 def test_pair_weight_is_capacity_over_one_plus_rho() -> None:
     snap = build_snapshot("m", [view("a", 30.0, 0.5), view("b", 10.0, 0.0)])
     # room[0] is the less loaded b. w_b = 10 / (1 + 0) = 10, w_a = 30 / (1 + 0.5) = 20.
-    assert sites(snap.room) == ["b", "a"]
+    assert sites(snap.room.candidates) == ["b", "a"]
     assert snap.pair_first_p == pytest.approx(10.0 / 30.0, abs=1e-15)
 
 
-def test_no_room_fallback_prefers_fresh_not_full_then_stale() -> None:
-    snap = build_snapshot("m", [
-        view("full-big", 100.0, 1.5, full=True),
-        view("busy-small", 5.0, 1.1),
-        view("busy-big", 20.0, 1.2),
-        view("stale", 200.0, math.inf, stale=True),
-    ])
-    assert snap.room == ()
-    assert snap.fallback is not None and snap.fallback.site == "busy-big"
-    assert not snap.fallback_stale
-    assert snap.overflow is None
-    assert not snap.all_full
-    assert snap.any_full
-
-    only_stale_left = build_snapshot("m", [view("full", 100.0, 1.5, full=True),
-                                           view("stale", 1.0, math.inf, stale=True)])
-    assert only_stale_left.fallback is not None and only_stale_left.fallback.site == "stale"
-    assert only_stale_left.fallback_stale
-    assert not only_stale_left.all_full
-
-
-def test_every_healthy_full_sets_overflow_by_capacity_then_queue_depth() -> None:
-    snap = build_snapshot("m", [
-        view("a", 20.0, 1.5, full=True, queue_depth=4.0),
-        view("b", 20.0, 1.2, full=True, queue_depth=2.0),
-        view("c", 10.0, 1.1, full=True, queue_depth=0.0),
-        view("down", 99.0, 0.0, healthy=False),
-    ])
-    assert snap.all_full and snap.any_full
-    assert snap.fallback is None
-    assert snap.overflow is not None and snap.overflow.site == "b"
+# Preference tiers (routing-quality issue): room, then fresh and not full, then fresh and
+# full (only when every fresh one is), then no fresh signal (only when no fresh one is left).
+TIER_CASES = [
+    # (case, views, room, not_full, full, stale, all_full)
+    ("no room: fresh not full form the no-room tier; the stale one waits",
+     [view("full-big", 100.0, 1.5, full=True), view("busy-small", 5.0, 1.1), view("busy-big", 20.0, 1.2),
+      view("stale", 200.0, math.inf, stale=True)],
+     [], ["busy-small", "busy-big"], [], [], False),
+    ("room and full side by side: not all full",
+     [view("room", 10.0, 0.5), view("full", 100.0, 1.5, full=True)],
+     ["room"], [], [], [], False),
+    ("every fresh site full: the full tier, before the stale one",
+     [view("full", 100.0, 1.5, full=True), view("stale", 1.0, math.inf, stale=True)],
+     [], [], ["full"], [], True),
+    ("every healthy fresh site full, an excluded one aside",
+     [view("a", 20.0, 1.5, full=True, queue_depth=4.0), view("b", 20.0, 1.2, full=True, queue_depth=2.0),
+      view("c", 10.0, 1.1, full=True), view("down", 99.0, 0.0, healthy=False)],
+     [], [], ["c", "b", "a"], [], True),
+    ("no fresh site left: the stale tier",
+     [view("s1", 1.0, math.inf, stale=True), view("s2", 5.0, math.inf, stale=True),
+      view("down", 50.0, 0.0, healthy=False)],
+     [], [], [], ["s2", "s1"], False),
+    ("a stale one's full flag is ignored",
+     [view("s", 1.0, math.inf, stale=True, full=True)],
+     [], [], [], ["s"], False),
+    ("no healthy candidate is never all full",
+     [view("down", full=True, rho=2.0, healthy=False)],
+     [], [], [], [], False),
+]
 
 
-def test_stale_full_flag_is_ignored() -> None:
-    snap = build_snapshot("m", [view("s", 1.0, math.inf, stale=True, full=True)])
-    assert not snap.any_full
-    assert not snap.all_full
-    assert snap.fallback is not None and snap.fallback.site == "s"
-
-
-def test_no_healthy_candidate_is_never_all_full() -> None:
-    snap = build_snapshot("m", [view("down", full=True, rho=2.0, healthy=False)])
-    assert snap.ordered == ()
-    assert not snap.all_full and not snap.any_full
-    assert snap.overflow is None and snap.fallback is None
+@pytest.mark.parametrize(("case", "views", "room", "not_full", "full", "stale", "all_full"), TIER_CASES,
+                         ids=[c[0] for c in TIER_CASES])
+def test_preference_tiers(case: str, views: list[CandidateView], room: list[str], not_full: list[str],
+                          full: list[str], stale: list[str], all_full: bool) -> None:
+    snap = build_snapshot("m", views)
+    assert sites(snap.room.candidates) == room
+    assert sites(snap.not_full.candidates) == not_full
+    assert sites(snap.full.candidates) == full
+    assert sites(snap.stale.candidates) == stale
+    assert snap.all_full is all_full
+    for tier in (snap.room, snap.not_full, snap.full, snap.stale):
+        assert tier.capacities == tuple(v.capacity for v in tier.candidates)
+        assert tier.total == sum(tier.capacities)
 
 
 def test_snapshot_is_immutable() -> None:
@@ -139,17 +140,37 @@ def _learner_with(load: LoadSignals, now: float = 0.0) -> CapacityLearner:
 
 def test_candidate_view_reads_bound_recent_worst_and_full() -> None:
     load = LoadSignals(ready_endpoints=2, avg_running=3.0, avg_waiting=1.0, flow_queue=2.0)
-    learner = _learner_with(load)  # in-flight 10 with work waiting: hard 10, rho 1
+    # Every unit waits and flow control holds work: a limit of 3 per unit, capacity 6;
+    # in-flight (3 + 1) x 2 + 2 = 10, rho 10 / 6; backlogged (flow control), so full.
+    learner = _learner_with(load)
     v = candidate_view(site="a", provider="p", model="m", learner=learner, load=load, now=1.0,
                        healthy=True, local=True)
-    assert v == CandidateView(site="a", provider="p", model="m", capacity=10.0, rho=1.0, healthy=True,
+    assert v == CandidateView(site="a", provider="p", model="m", capacity=6.0, rho=10.0 / 6.0, healthy=True,
                               full=True, queue_depth=4.0, stale=False, local=True)
+
+
+def test_candidate_view_saturated_but_not_backlogged_is_not_full() -> None:
+    load = LoadSignals(ready_endpoints=2, avg_running=3.0, avg_waiting=1.0)  # a short queue everywhere
+    v = candidate_view(site="a", provider="p", model="m", learner=_learner_with(load), load=load, now=1.0,
+                       healthy=True, local=True)
+    assert v.rho == 8.0 / 6.0 and not v.full
+
+
+def test_a_fresh_reading_whose_rho_samples_left_the_window_reads_its_latest_rho() -> None:
+    # The signal TTL decides staleness, not the recent window (10 s, shorter than the 20 s TTL):
+    # a repeated publication adds no sample, yet the reading is still fresh.
+    load = LoadSignals(ready_endpoints=2, avg_running=3.0, avg_waiting=1.0)
+    learner = _learner_with(load)
+    assert learner.recent_worst_rho(30.0) is None
+    v = candidate_view(site="a", provider="p", model="m", learner=learner, load=load, now=30.0,
+                       healthy=True, local=False, fresh=True)
+    assert not v.stale and v.rho == learner.rho == 8.0 / 6.0
 
 
 @pytest.mark.parametrize(
     ("fresh", "has_load", "now"),
-    [(False, True, 1.0), (True, False, 1.0), (True, True, 30.0)],
-    ids=["reading not fresh", "no reading", "every sample aged out"],
+    [(False, True, 1.0), (True, False, 1.0)],
+    ids=["reading not fresh", "no reading"],
 )
 def test_candidate_view_stale(fresh: bool, has_load: bool, now: float) -> None:
     load = LoadSignals(ready_endpoints=2, avg_running=3.0, avg_waiting=1.0)
@@ -159,4 +180,4 @@ def test_candidate_view_stale(fresh: bool, has_load: bool, now: float) -> None:
     assert v.stale
     assert v.rho == math.inf
     assert not v.full
-    assert v.capacity == 8.0
+    assert v.capacity == 6.0

@@ -1,5 +1,6 @@
-"""The gateway store: admission into the store, exclusion, staleness, unknown vs 503,
-pinned requests, the bounded retry, and shedding flips at exact times."""
+"""The gateway store: admission into the store, exclusion, the ageing of a reading (fresh,
+stale, silent, forgotten), unknown vs 503, pinned requests, the bounded retry, the knobs, and
+shedding flips at exact times."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
 from gridd.core.readings import LoadSignals, Revision, UnitLoad
-from gridd.core.store import GatewayStore
+from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
 WALL = 1_800_000_000.0
@@ -41,8 +42,8 @@ class Feed:
                      revision=rev, complete=True, ready=ready, ready_reason="", load=ld)
 
 
-def store(**kw) -> GatewayStore:
-    s = GatewayStore(site="a", **kw)
+def store(**knobs) -> GatewayStore:
+    s = GatewayStore(site="a", knobs=RoutingKnobs(**knobs))
     s.set_serving(SERVING)
     return s
 
@@ -63,7 +64,7 @@ def test_unknown_model_is_404_and_excluded_only_is_503():
     s.ingest([feed.batch("a", ld=load(ready=0))], now=0.0, now_wall=WALL)
     assert isinstance(s.decide("other", now=0.0, rng=random.Random(1)), UnknownModel)
     d = s.decide("m", now=0.0, rng=random.Random(1))
-    assert isinstance(d, Unavailable) and d.retry_after_s == 2.0  # a local exclusion: scrape + poll
+    assert d == Unavailable(2.0, cause="excluded")  # a local exclusion: scrape + poll
 
 
 def test_excluded_site_never_picked_while_a_healthy_one_exists():
@@ -74,8 +75,7 @@ def test_excluded_site_never_picked_while_a_healthy_one_exists():
     # per-unit series stopped while the ready count kept coming: excluded too
     s.ingest([feed.batch("a", ld=load(units=False)), feed.batch("b")], now=1.0, now_wall=WALL)
     assert sites_picked(s, 1.0) == {"b"}
-    # a later reading says otherwise: rejoins at once (b now sits at its learned soft bound,
-    # rho 1, no room; a is picked: the point is that a is routable again)
+    # a later reading says otherwise: rejoins at once
     s.ingest([feed.batch("a"), feed.batch("b")], now=2.0, now_wall=WALL)
     assert "a" in sites_picked(s, 2.0)
     d = next(d for d in (s.decide("m", now=2.0, rng=random.Random(i)) for i in range(50)) if d.site == "a")
@@ -116,26 +116,90 @@ def test_replays_and_future_epochs_never_reach_the_store():
     assert s.candidates[("b", "llama")].batch is newer
 
 
-def test_candidates_the_operator_no_longer_holds_age_then_are_forgotten():
-    s = store(signal_ttl_s=20.0)
+def test_a_reading_ages_through_stale_and_silent_and_is_forgotten_after_retention():
+    # A recent window as long as the TTL, so the TTL alone decides when b goes stale (with
+    # the default 10 s window, a candidate with no new sample is stale after 10 s).
+    s = store(signal_ttl_s=20.0, recent_window_s=30.0, candidate_retention_s=100.0)
     feed = Feed()
     s.ingest([feed.batch("a"), feed.batch("b")], now=0.0, now_wall=WALL)
     # one answer without b (e.g. a restarted operator before its first peer poll) is no
     # proof b is gone: kept, ageing, and stale once past the TTL
     s.ingest([], now=1.0, now_wall=WALL)
     assert s.models() == ["m"] and set(s.candidates) == {("a", "llama"), ("b", "llama")}
-    s.ingest([feed.batch("a")], now=30.0, now_wall=WALL)
+    s.ingest([feed.batch("a")], now=20.0, now_wall=WALL)  # exactly the TTL old: fresh
+    assert [(v.site, v.stale) for v in s.snapshots["m"].ordered] == [("a", False), ("b", False)]
+    s.ingest([feed.batch("a")], now=20.5, now_wall=WALL)
     assert [(v.site, v.stale) for v in s.snapshots["m"].ordered] == [("a", False), ("b", True)]
-    s.ingest([feed.batch("a")], now=40.0, now_wall=WALL)  # exactly 2 x TTL old: kept
+    s.ingest([feed.batch("a")], now=40.0, now_wall=WALL)  # exactly 2 x TTL old: stale, routable
+    assert [v.site for v in s.snapshots["m"].ordered] == ["a", "b"]
+    s.ingest([feed.batch("a")], now=40.5, now_wall=WALL)  # past 2 x TTL: silent, excluded
+    assert [v.site for v in s.snapshots["m"].excluded] == ["b"]
+    s.ingest([feed.batch("a")], now=100.0, now_wall=WALL)  # exactly the retention: kept
     assert ("b", "llama") in s.candidates
-    s.ingest([feed.batch("a")], now=40.5, now_wall=WALL)  # past 2 x TTL: forgotten
+    s.ingest([feed.batch("a")], now=100.5, now_wall=WALL)  # past it: forgotten
     assert set(s.candidates) == {("a", "llama")}
+
+
+def test_a_model_whose_every_candidate_went_silent_is_503_silent_until_forgotten():
+    s = store(signal_ttl_s=20.0, candidate_retention_s=100.0)
+    feed = Feed()
+    s.ingest([feed.batch("b")], now=0.0, now_wall=WALL)
+    for t in (20.0, 40.0):
+        s.ingest([], now=t, now_wall=WALL)
+    d = s.decide("m", now=40.0, rng=random.Random(1))  # exactly 2 x TTL old: stale, still routed
+    assert isinstance(d, Forward) and d.site == "b"
+    s.ingest([], now=40.5, now_wall=WALL)
+    # silent: 503 with the remote recheck hint, never 404
+    assert s.decide("m", now=40.5, rng=random.Random(1)) == Unavailable(6.0, cause="silent")
+    # another candidate excluded for what its fresh reading says: the cause is "excluded"
+    s.ingest([feed.batch("a", ld=load(ready=0))], now=41.0, now_wall=WALL)
+    assert s.decide("m", now=41.0, rng=random.Random(1)) == Unavailable(2.0, cause="excluded")
+    s.ingest([], now=60.0, now_wall=WALL, removed=[("a", "llama")])
+    for t in (80.0, 100.0):
+        s.ingest([], now=t, now_wall=WALL)
+    assert s.decide("m", now=100.0, rng=random.Random(1)) == Unavailable(6.0, cause="silent")
+    s.ingest([], now=100.5, now_wall=WALL)  # past candidate_retention_s: forgotten
+    assert s.decide("m", now=100.5, rng=random.Random(1)) == UnknownModel()
+
+
+def test_a_removal_the_operator_announces_is_forgotten_at_once():
+    s = store()
+    feed = Feed()
+    s.ingest([feed.batch("a"), feed.batch("b")], now=0.0, now_wall=WALL)
+    # a removal named in the same answer as a batch of it: the batch wins (re-added)
+    s.ingest([feed.batch("b")], now=1.0, now_wall=WALL, removed=[("b", "llama")])
+    assert ("b", "llama") in s.candidates
+    s.ingest([], now=2.0, now_wall=WALL, removed=[("b", "llama"), ("c", "never-held")])
+    assert set(s.candidates) == {("a", "llama")}
+    s.ingest([], now=3.0, now_wall=WALL, removed=[("a", "llama")])
+    assert s.decide("m", now=3.0, rng=random.Random(1)) == UnknownModel()
+    # the fences forgot it too: its sequence may restart
+    s.ingest([Feed().batch("a")], now=4.0, now_wall=WALL)
+    assert isinstance(s.decide("m", now=4.0, rng=random.Random(1)), Forward)
+
+
+def test_no_routing_data_is_503_never_404():
+    s = store(signal_ttl_s=20.0)
+    assert s.decide("m", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
+    assert s.decide("other", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
+    assert s.routing_data_problem(0.0) == "no routing data from the operator: no poll has succeeded yet"
+    assert not s.has_routing_data(0.0)
+    s.ingest([Feed().batch("b")], now=1.0, now_wall=WALL)
+    assert s.routing_data_problem(21.0) is None and s.has_routing_data(21.0)
+    assert isinstance(s.decide("m", now=21.0, rng=random.Random(1)), Forward)
+    assert s.decide("other", now=21.0, rng=random.Random(1)) == UnknownModel()
+    # no poll within the TTL: the gateway can no longer tell which models exist
+    assert not s.has_routing_data(21.5)
+    assert s.decide("m", now=21.5, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
+    assert s.decide("other", now=21.5, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
+    assert s.routing_data_problem(21.5) == ("no routing data from the operator: the last successful poll "
+                                            "was 20 s ago (signal TTL 20 s)")
 
 
 def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
     feed = Feed()
-    busy = load(ready=2, running=4.0, waiting=2.0, kv=0.99)
+    busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)  # every queue as deep as its batch
     for t in range(0, 4):
         s.ingest([feed.batch("a", ld=busy), feed.batch("b", ld=busy)], now=float(t), now_wall=WALL)
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Shed)
@@ -180,35 +244,71 @@ def test_pinned_requests_are_served_locally_only_and_retry_excludes():
 def test_shedding_flips_after_full_after_and_back_after_room_after():
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
     feed = Feed()
-    # Learn a hard bound: 8 in flight with work waiting on both sites.
-    busy = load(ready=2, running=4.0, waiting=2.0, kv=0.99)
+    # Full: every unit's queue as deep as its batch (a limit of 4 per unit, rho 2).
+    busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
     for t in range(0, 5):
         s.ingest([feed.batch("a", ld=busy), feed.batch("b", ld=busy)], now=float(t), now_wall=WALL)
         if t < 2:
             assert not isinstance(s.decide("m", now=float(t), rng=random.Random(1)), Shed), t
-    # saturated with work waiting since t=0: sheds from t=2 (full_after_s) on
-    d = s.decide("m", now=4.0, rng=random.Random(1))
-    assert isinstance(d, Shed) and 1.0 <= d.retry_after_s <= 60.0
+        if t == 2:  # full since t=0: sheds from t=2 (full_after_s) on
+            assert isinstance(s.decide("m", now=2.0, rng=random.Random(1)), Shed)
+    assert s.decide("m", now=4.0, rng=random.Random(1)) == Shed(5.0)  # every site full: a whole room timer
     idle = load(ready=2, running=0.0, waiting=0.0, kv=0.0)
     s.ingest([feed.batch("a", ld=idle), feed.batch("b", ld=idle)], now=5.0, now_wall=WALL)
-    # last saturated sample at t=4: routes again at 4 + room_after_s = 9
-    assert isinstance(s.decide("m", now=8.999, rng=random.Random(1)), Shed)
-    assert isinstance(s.decide("m", now=9.0, rng=random.Random(1)), Forward)
+    assert s.decide("m", now=7.5, rng=random.Random(1)) == Shed(2.5)
+    # relief since t=5: routes again at 5 + room_after_s = 10
+    assert isinstance(s.decide("m", now=9.999, rng=random.Random(1)), Shed)
+    assert isinstance(s.decide("m", now=10.0, rng=random.Random(1)), Forward)
 
 
 def test_reconfigure_applies_new_knobs_and_keeps_learned_state():
     s = store(shedding=False, signal_ttl_s=20.0)
     feed = Feed()
-    busy = load(ready=2, running=4.0, waiting=2.0, kv=0.99)
+    busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
     for t in range(0, 4):
         s.ingest([feed.batch("a", ld=busy)], now=float(t), now_wall=WALL)
     learner = s.candidates[("a", "llama")].learner
-    bound_before = learner.bound
+    assert learner.bound == 8.0  # a limit of 4 per unit
+    assert learner.unit_bounds(3.0) == (None, 4.0)
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Forward)  # shedding off: route
-    s.reconfigure(signal_ttl_s=5.0, future_epoch_bound_s=60.0, capacity_floor=1.0, rho_smoothing=0.5,
-                  recent_window_s=30.0, shedding=True, full_after_s=2.0, room_after_s=5.0)
-    assert s.candidates[("a", "llama")].learner is learner and learner.bound == bound_before
+    assert s.sends.since(("a", "llama"), 2.0) == 1
+    knobs = RoutingKnobs(signal_ttl_s=5.0, future_epoch_bound_s=60.0, capacity_floor=10.0, unit_capacity=2.0,
+                         evidence_window_s=120.0, pick_rule="spec_tiers", pending_weight=0.0, shedding=True,
+                         full_after_s=2.0, room_after_s=5.0)
+    s.reconfigure(knobs)
+    assert s.knobs is knobs and s.signal_ttl_s == 5.0 and s.shedding_enabled
+    assert s.candidates[("a", "llama")].learner is learner
+    assert learner.unit_bounds(3.0) == (None, 4.0)  # the evidence is kept ...
+    assert learner.bound == 10.0  # ... and read with the new knobs: 2 x min(2, 4) = 4, floor 10
+    assert s.sends.since(("a", "llama"), 2.0) == 1  # own sends kept
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Shed)  # the run since t=0 counts
     assert s.fences.future_epoch_bound_s == 60.0
-    s.rebuild(9.5)  # a's reading (received at 3.0) is now older than the new 5 s TTL
+    s.rebuild(8.0)  # a's reading (received at 3.0) is exactly the new 5 s TTL old: fresh
+    assert [v.stale for v in s.snapshots["m"].ordered] == [False]
+    s.rebuild(8.5)
     assert [v.stale for v in s.snapshots["m"].ordered] == [True]
+    # a new candidate learns with the new knobs from its first batch
+    s.ingest([feed.batch("b", ld=load(ready=3, running=0.5))], now=9.0, now_wall=WALL)
+    assert s.candidates[("b", "llama")].learner.bound == 10.0  # 3 x 2 = 6 under the floor
+
+
+def test_knob_defaults():
+    assert RoutingKnobs() == RoutingKnobs(
+        signal_ttl_s=20.0, future_epoch_bound_s=600.0, capacity_floor=1.0, rho_smoothing=0.5, recent_window_s=10.0,
+        unit_capacity=8.0, evidence_window_s=60.0, pick_rule="two_choices", pending_weight=4.0,
+        candidate_retention_s=600.0, shedding=False, full_after_s=2.0, room_after_s=5.0)
+    assert RoutingKnobs(unit_capacity=3.0).learner_args() == {
+        "floor": 1.0, "alpha": 0.5, "recent_window_s": 10.0, "unit_capacity": 3.0, "evidence_window_s": 60.0}
+
+
+def test_pick_rule_knob_reaches_the_pick():
+    # Two sites with room and pending load off: two_choices always takes the lower rho (two
+    # fresh sites are always both drawn); spec_tiers weights them by capacity / (1 + rho).
+    picks = {}
+    for rule in ("two_choices", "spec_tiers"):
+        s = store(pick_rule=rule, pending_weight=0.0)
+        feed = Feed()
+        s.ingest([feed.batch("b", ld=load(running=1.0)), feed.batch("c", ld=load(running=2.0))],
+                 now=0.0, now_wall=WALL)
+        picks[rule] = sites_picked(s, 0.0)
+    assert picks == {"two_choices": {"b"}, "spec_tiers": {"b", "c"}}

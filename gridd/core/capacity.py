@@ -24,8 +24,10 @@ has the measurements behind each choice):
   running = in-flight - waiting). Without per-unit running, the pool's mean running
   count is the limit only when every unit has work waiting, or flow control holds
   requests (the EPP holds only when its saturation detector says the pool is full).
-- ``bound = max(units x min(soft side, hard), floor)`` with
-  ``hard`` = the least per-unit limit demonstrated within the window.
+- ``bound = max(units x min(soft side, hard), floor)`` with ``hard`` = the mean of the
+  per-unit limits demonstrated within the window. The spec says "the least"; with KV-cache
+  admission a unit's limit moves with the request mix, and the least of them read every site
+  full at 70% load in the routing simulator (docs/routing.md).
 
     in_flight = (mean running + mean waiting per unit) x units + flow-control queue
     raw rho   = max(in_flight / bound, kv_mean + kv_spread)
@@ -193,24 +195,19 @@ def demonstrated_unit_limit(load: LoadSignals) -> float | None:
     return None
 
 
-class _WindowExtreme:
-    """The largest (or, with ``keep_min``, the least) value among samples taken within the
-    last ``window_s`` seconds: a monotonic deque, O(1) amortised per sample."""
+class _WindowMax:
+    """The largest value among samples taken within the last ``window_s`` seconds: a
+    monotonic deque (values strictly decreasing left to right), O(1) amortised per sample."""
 
-    __slots__ = ("_samples", "_keep_min")
+    __slots__ = ("_samples",)
 
-    def __init__(self, *, keep_min: bool) -> None:
+    def __init__(self) -> None:
         self._samples: deque[tuple[float, float]] = deque()
-        self._keep_min = keep_min
 
     def add(self, now: float, value: float) -> None:
         samples = self._samples
-        if self._keep_min:
-            while samples and samples[-1][1] >= value:
-                samples.pop()
-        else:
-            while samples and samples[-1][1] <= value:
-                samples.pop()
+        while samples and samples[-1][1] <= value:
+            samples.pop()
         samples.append((now, value))
 
     def value(self, now: float, window_s: float) -> float | None:
@@ -287,8 +284,8 @@ class CapacityLearner:
     ) -> None:
         self._identity: tuple[str, int, int] | None = None
         self._last_order: tuple[int, int] | None = None
-        # Per-unit evidence: soft = most held with nothing queued, hard = least demonstrated limit.
-        self._soft = _WindowExtreme(keep_min=False)
+        # Per-unit evidence: soft = most held with nothing queued, hard = mean demonstrated limit.
+        self._soft = _WindowMax()
         self._hard = _WindowMean()
         self._units: int | None = None
         self._rho: float | None = None
@@ -397,7 +394,7 @@ class CapacityLearner:
 
     def capacity(self, now: float) -> float:
         """Capacity in requests at ``now``: units x the lesser of the soft side (the prior, or
-        SOFT_PROBE x the most held with nothing queued) and the least demonstrated limit,
+        SOFT_PROBE x the most held with nothing queued) and the mean demonstrated limit,
         never below the floor. With no unit count known yet, the floor."""
         if self._units is None:
             return self._floor

@@ -67,7 +67,11 @@ def candidate_view(
     window, is stale: rho is +inf and it is never full (its state is unknown, not known
     saturated).
     """
+    # The signal TTL decides staleness (the store's `fresh`): a fresh reading whose rho
+    # samples all left the (shorter) recent window is read at its latest smoothed rho.
     worst = learner.recent_worst_rho(now)
+    if worst is None:
+        worst = learner.rho
     stale = not fresh or load is None or worst is None
     return CandidateView(
         site=site,

@@ -219,11 +219,13 @@ class GatewayStore:
         age = cand.age_s(now)
         ttl = self.signal_ttl_s
         signal = "fresh" if age <= ttl else ("stale" if age <= SILENT_AFTER_TTLS * ttl else "silent")
+        if signal == "silent":
+            # Whatever its last reading said, it says nothing now: the model answers 503
+            # "silent" (and a not-ready reading from long ago is not the reason given).
+            return CandidateState(signal, "silent", age)
         excluded = excluded_reason(cand.batch, units_seen=cand.units_seen) if cand.batch is not None else None
         if excluded is None:
-            if signal == "silent":
-                excluded = "silent"
-            elif not self._routable(cand):
+            if not self._routable(cand):
                 # A candidate this gateway cannot forward to (no local endpoint, no ingress
                 # for its site) is kept as excluded: the model exists but cannot be served
                 # from here.
