@@ -167,11 +167,23 @@ def _socket_path(args: argparse.Namespace) -> pathlib.Path:
 
 
 def gridctl_main(argv: list[str] | None = None) -> int:
+    parser = _gridctl_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _gridctl(parser, args)
+    except BrokenPipeError:
+        # The reader went away (`gridctl watch | head`): it took what it wanted. Point
+        # stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
+
+
+def _gridctl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gridd.control import request
     from gridd.errors import GriddError
 
-    parser = _gridctl_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -262,6 +262,14 @@ def test_gridctl_explain_and_watch_on_a_running_grid(grid):
     assert watched.stdout.count("role        gateway") == 2 and "\x1b[2J" not in watched.stdout  # not a terminal
     watched = gridctl(grid, "gw-a", "watch", "explain", MODEL, "--count", "1", "--json")
     assert watched.returncode == 0 and json.loads(watched.stdout)["explain"]["model"] == MODEL
+    # A reader that goes away (`gridctl watch | head -1`) ends the watch quietly, no traceback.
+    reader = subprocess.Popen([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                               "--socket", str(grid["ws"] / "run" / "gw-a.sock"), "watch", "status", "--interval", "0.2",
+                               "--count", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.readline().startswith(b"every 0.2s: gridctl status")
+    reader.stdout.close()
+    assert reader.wait(timeout=30) == 0
+    assert reader.stderr.read() == b""
 
 
 def test_a_gateway_pointed_at_a_wrong_operator_port_is_degraded_and_answers_503_naming_the_cause(grid):
