@@ -238,6 +238,9 @@ def test_gridctl_explain_and_watch_on_a_running_grid(grid):
     assert sorted(chances) == ["a/pool-a", "b/pool-b"] and sum(chances.values()) == pytest.approx(1.0)
     assert {c["site"]: c["local"] for c in e["candidates"]} == {"a": True, "b": False}
     assert all(c["capacity"]["units"] == 2 and c["arrived_age_s"] is not None for c in e["candidates"])
+    # status --json carries each candidate's signal state and age too.
+    status = gridctl_json(grid, "gw-a")["role_status"]["candidates"]
+    assert all(c["signal"] in ("fresh", "stale", "silent") and c["age_s"] >= 0 for c in status) and len(status) == 2
 
     out = gridctl(grid, "gw-a", "explain", MODEL)
     assert out.returncode == 0, out.stderr
