@@ -1,5 +1,5 @@
-"""Entry points: ``gridd`` (run, check-config, sim, certs) and ``gridctl`` (status, reload,
-clear-feedback, providers)."""
+"""Entry points: ``gridd`` (run, check-config, sim, certs, demo) and ``gridctl`` (status, reload,
+clear-feedback, explain, watch, providers)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,14 @@ def _gridctl_parser() -> argparse.ArgumentParser:
     providers.add_argument("action", choices=("list", "get", "set", "delete"))
     providers.add_argument("name", nargs="?", help="the provider (get, set, delete)")
     providers.add_argument("--file", help="set: the JSON body (default: standard input)")
+    explain = sub.add_parser("explain", help="gateway: why MODEL routes as it does (candidates, chances, reasons)")
+    explain.add_argument("model", help="the model name requests carry")
+    explain.add_argument("--json", action="store_true", help="print JSON")
+    watch = sub.add_parser("watch", help="refresh `status` or `explain MODEL` in place until Ctrl-C")
+    watch.add_argument("view", nargs="*", metavar="status | explain MODEL", help="what to show (default: status)")
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
+    watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    watch.add_argument("--json", action="store_true", help="print one JSON answer per line, no redraw")
     return parser
 
 
@@ -195,18 +203,32 @@ def _socket_path(args: argparse.Namespace) -> pathlib.Path:
 
 
 def gridctl_main(argv: list[str] | None = None) -> int:
+    parser = _gridctl_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _gridctl(parser, args)
+    except BrokenPipeError:
+        # The reader went away (`gridctl watch | head`): it took what it wanted. Point
+        # stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
+
+
+def _gridctl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gridd.control import request
     from gridd.errors import GriddError
 
-    parser = _gridctl_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.command == "watch":
+        return _watch(args)
     try:
         path = _socket_path(args)
-        extra = {"replica": args.replica} if args.command == "clear-feedback" and args.replica else {}
-        reply = request(path, "status" if args.command == "providers" else args.command, **extra)
+        # providers: the status names the API's URL and token file; the call goes there.
+        reply = request(path, "status" if args.command == "providers" else args.command, **_command_args(args))
         if args.command == "providers" and reply.get("ok"):
             code, body = _providers_call(reply["status"], args)
             print(json.dumps(body, indent=2) if body is not None else f"HTTP {code}")
@@ -219,19 +241,105 @@ def gridctl_main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     if getattr(args, "json", False):
         print(json.dumps(reply, indent=2, sort_keys=True, default=str))
-    elif args.command == "status" and reply.get("ok"):
-        print(format_status(reply["status"]))
-    elif args.command == "clear-feedback" and reply.get("ok"):
-        print(f"cleared: {', '.join(reply['cleared']) or 'nothing was unresolved'}")
-    elif args.command == "reload":
+    else:
+        text = render_reply(args.command, reply)
+        print(text, file=sys.stdout if reply.get("ok") or args.command == "reload" else sys.stderr)
+    return EXIT_OK if reply.get("ok") else EXIT_FAIL
+
+
+def _command_args(args: argparse.Namespace) -> dict[str, Any]:
+    if args.command == "clear-feedback" and args.replica:
+        return {"replica": args.replica}
+    if args.command == "explain":
+        return {"model": args.model}
+    return {}
+
+
+def render_reply(command: str, reply: dict[str, Any]) -> str:
+    """The human form of a control-socket answer to ``command``."""
+    if command == "status" and reply.get("ok"):
+        return format_status(reply["status"])
+    if command == "explain" and reply.get("ok"):
+        return format_explain(reply["explain"])
+    if command == "clear-feedback" and reply.get("ok"):
+        return f"cleared: {', '.join(reply['cleared']) or 'nothing was unresolved'}"
+    if command == "reload":
         outcome = reply.get("reload", {})
         if outcome.get("result") == "ok":
-            print("reload: ok")
-        else:
-            print(f"reload: rejected, old config kept: {outcome.get('error') or reply.get('error')}")
+            return "reload: ok"
+        return f"reload: rejected, old config kept: {outcome.get('error') or reply.get('error')}"
+    return f"gridctl: {reply.get('error', 'failed')}"
+
+
+# -- gridctl watch ------------------------------------------------------------------------------
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+"""Cursor home, erase the screen: each frame is drawn over the last (as watch(1) does)."""
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from gridd.control import request
+    from gridd.errors import GriddError
+
+    view = args.view or ["status"]
+    if view == ["status"]:
+        command, extra = "status", {}
+    elif len(view) == 2 and view[0] == "explain":
+        command, extra = "explain", {"model": view[1]}
     else:
-        print(f"gridctl: {reply.get('error', 'failed')}", file=sys.stderr)
-    return EXIT_OK if reply.get("ok") else EXIT_FAIL
+        print(f"gridctl watch: expected `status` or `explain MODEL`, got {' '.join(view)!r}", file=sys.stderr)
+        return EXIT_USAGE
+    if not (args.interval > 0) or (args.count is not None and args.count < 1):
+        print("gridctl watch: --interval must be > 0 and --count >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        path = _socket_path(args)
+    except GriddError as exc:
+        print(f"gridctl: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+
+    def fetch() -> dict[str, Any]:
+        try:
+            return request(path, command, **extra)
+        except GriddError as exc:  # gridd restarting: show it in the frame, keep watching
+            return {"ok": False, "error": str(exc)}
+
+    title = f"gridctl {' '.join(view)}"
+    return watch_frames(fetch, lambda reply: render_reply(command, reply), title=title, interval_s=args.interval,
+                        count=args.count, as_json=args.json, out=sys.stdout,
+                        clear=sys.stdout.isatty() and not args.json)
+
+
+def watch_frames(fetch, render, *, title: str, interval_s: float, count: int | None, as_json: bool, out,
+                 clear: bool, sleep=time.sleep, clock=time.monotonic, wall=time.time) -> int:
+    """Fetch and draw a frame every ``interval_s`` (drift-free: frames start one interval
+    apart, a slow answer skips ticks instead of bunching them), ``count`` frames or until
+    Ctrl-C, which ends it cleanly with exit 0. ``clear``: draw each frame over the last
+    (a terminal); otherwise frames follow each other under their title line. Exit 1 when
+    the last answer was an error (after --count frames)."""
+    frames, ok = 0, False
+    next_at = clock()
+    try:
+        while True:
+            reply = fetch()
+            ok = bool(reply.get("ok"))
+            if as_json:
+                out.write(json.dumps(reply, sort_keys=True, default=str) + "\n")
+            else:
+                stamp = time.strftime("%H:%M:%S", time.localtime(wall()))
+                out.write(f"{CLEAR_SCREEN if clear else ''}every {interval_s:g}s: {title}    {stamp}\n\n"
+                          f"{render(reply)}\n")
+            out.flush()
+            frames += 1
+            if count is not None and frames >= count:
+                break
+            next_at = max(next_at + interval_s, clock())
+            sleep(max(0.0, next_at - clock()))
+    except KeyboardInterrupt:
+        out.write("\n")
+        out.flush()
+        return EXIT_OK
+    return EXIT_OK if ok else EXIT_FAIL
 
 
 def _age(ts: float | None) -> str:
@@ -322,7 +430,69 @@ def format_status(s: dict[str, Any]) -> str:
             lines.append(f"shedding    {', '.join(role['shedding'])}")
         lines += _table(["MODEL", "SITE", "PROVIDER", "AGE", "SIGNAL", "READY", "EXCLUDED", "RHO", "CAPACITY"], [
             [c["model"], c["site"], c["provider"], _secs(c.get("age_s")),
-             "fresh" if c.get("signal") == "fresh" else str(c.get("signal", "-")).upper(),
+             _signal(c.get("signal")),
              {True: "yes", False: "NO", None: "unknown"}[c.get("ready")], _fmt(c.get("excluded")),
              _fmt(c.get("rho"), ".2f"), _fmt(c.get("capacity"), ".1f")] for c in role.get("candidates", [])])
+    return "\n".join(lines)
+
+
+def _signal(state: str | None) -> str:
+    """A candidate's signal state: ``fresh``, or the marker STALE / SILENT."""
+    return "fresh" if state == "fresh" else str(state or "-").upper()
+
+
+_TIER_SHOWN = {"room": "room", "not_full": "not full", "full": "FULL", "stale": "stale"}
+
+
+def _explain_outcome(e: dict[str, Any]) -> str:
+    o = e["outcome"]
+    retry = "" if o.get("retry_after_s") is None else f"; Retry-After about {o['retry_after_s']:g} s"
+    if o["kind"] == "forward":
+        return f"forward: {o['message']}"
+    if o["kind"] == "shed":
+        return f"429 (shedding): {o['message']}{retry}"
+    if o["kind"] == "unavailable":
+        code = "no_routing_data" if o.get("cause") == "no_operator_data" else "model_unavailable"
+        return f"503 {code} ({o.get('cause')}): {o['message']}{retry}"
+    known = ", ".join(e.get("known_models") or []) or "none"
+    return f"404: {o['message']} (models here: {known})"
+
+
+def _explain_shedding(sh: dict[str, Any]) -> str:
+    if not sh["enabled"]:
+        return "off (availability.shedding.enabled: false): an all-full model is forwarded, never 429"
+    line = "on: SHEDDING (429)" if sh["shedding"] else "on: not shedding"
+    if sh.get("run") == "full":
+        line += "; every fresh healthy site is full: a full run is under way"
+    elif sh.get("run") == "relief":
+        line += "; some fresh healthy site is not full: a relief run is under way"
+    if sh.get("next_change_s") is not None:
+        line += f" (next change in about {sh['next_change_s']:g} s)"
+    return line
+
+
+def format_explain(e: dict[str, Any]) -> str:
+    """gridctl explain's human view: the model, what a request gets, a table of candidates
+    (snapshot order) and one line per candidate saying why it stands where it does."""
+    lines = [
+        f"model       {e['model']}  (pick rule {e['pick_rule']}, pending weight {e['pending_weight']:g}, "
+        f"signal TTL {e['signal_ttl_s']:g} s)",
+        f"a request   {_explain_outcome(e)}",
+        f"shedding    {_explain_shedding(e['shedding'])}",
+    ]
+    rows = []
+    for c in e["candidates"]:
+        cap = c["capacity"]
+        pending = "-" if not c["pending_sends"] else f"{c['pending_sends']} +{c['pending_rho']:.2f}"
+        rows.append([
+            c["site"], c["provider"], "yes" if c["local"] else "no", _signal(c["signal"]), _secs(c["age_s"]),
+            _fmt(c["excluded"]), _TIER_SHOWN.get(c["tier"], "-"), f"{c['weight']:.1f} {cap['bound']}",
+            _fmt(c["in_flight"], ".1f"), _fmt(c["recent_worst_rho"] if c["signal"] == "fresh" else None, ".2f"),
+            "yes" if c["full"] else "no", _fmt(c["queue_depth"], ".1f"), pending, f"{c['chance']:.1%}",
+        ])
+    lines += _table(["SITE", "PROVIDER", "LOCAL", "SIGNAL", "AGE", "EXCLUDED", "TIER", "CAPACITY", "IN-FLIGHT",
+                     "RHO", "FULL", "QUEUE", "PENDING", "CHANCE"], rows)
+    if e["candidates"]:
+        lines.append("")
+    lines += [f"{c['site']}/{c['provider']}: {c['reason']}" for c in e["candidates"]]
     return "\n".join(lines)

@@ -237,7 +237,16 @@ class Daemon:
             except GriddError as exc:
                 return {"ok": False, "error": str(exc)}
             return {"ok": True, "cleared": cleared}
-        return {"ok": False, "error": f"unknown command {cmd!r} (status, reload, clear-feedback)"}
+        if cmd == "explain":
+            explain = getattr(self.role, "explain", None)
+            if explain is None:
+                return {"ok": False, "error": "explain is a gateway command (this gridd runs as "
+                                              f"{self.loaded.config.role}); run it against a gateway's socket"}
+            model = request.get("model")
+            if not isinstance(model, str) or not model:
+                return {"ok": False, "error": "explain needs a model name"}
+            return {"ok": True, "explain": explain(model)}
+        return {"ok": False, "error": f"unknown command {cmd!r} (status, reload, clear-feedback, explain)"}
 
     def status(self) -> dict[str, Any]:
         cfg = self.loaded.config

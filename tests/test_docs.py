@@ -19,6 +19,7 @@ from docs_tables import table_rows
 from gridd.channel import CHANNEL_ERROR_REASONS
 from gridd.config import Config
 from gridd.core.admission import DROP_REASONS
+from gridd.core.explain import CAPACITY_BOUNDS, OUTCOMES, TIERS
 from gridd.core.feedback import FAILURE_REASONS
 from gridd.core.readiness import FAILURE_CLASSES
 from gridd.core.store import EXCLUSION_REASONS, SIGNAL_STATES
@@ -142,6 +143,9 @@ STATUS_STATES = (
     ("GatewayAgesRejected reasons", _found("core/feedback.py", r'"reason": "(\w+)"|reason, message = "(\w+)"')),
     ("Gateway exclusion reasons", set(EXCLUSION_REASONS)),
     ("Gateway signal states", set(SIGNAL_STATES)),
+    ("Explain tiers", set(TIERS)),
+    ("Explain capacity bounds", set(CAPACITY_BOUNDS)),
+    ("Explain outcomes", set(OUTCOMES)),
     ("Status states", STATUS_STATES),
     ("Front answers", _found("gateway/front.py", r'metrics\.request\([^)]*"(\w+)"\)|exchange\.outcome = "(\w+)"')
      | _found("gateway/front.py", r'exchange\.outcome = "\w+" if [^\n]* else "(\w+)"')),

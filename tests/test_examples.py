@@ -58,6 +58,8 @@ def test_example_configs_run(tmp_path):
         assert cleared.returncode == 0 and cleared.stdout.strip() == "cleared: nothing was unresolved"
         wrong_role = gridctl(gw_sock, "clear-feedback", "--replica", "g1")
         assert wrong_role.returncode == 1 and "operator command" in wrong_role.stderr
+        explain_op = gridctl(op_sock, "explain", "m")
+        assert explain_op.returncode == 1 and "explain is a gateway command" in explain_op.stderr
 
         good = (ws / "operator.yaml").read_text()
         (ws / "operator.yaml").write_text(good.replace("scrape_interval_s: 1", "scrape_interval_s: -1"))

@@ -1,6 +1,8 @@
 """The whole grid through real processes on loopback with real TLS certificates from
 `gridd certs`: two simulators, two operators peering over mutual TLS, two gateways, and the
-official openai SDK as the client. Polls are sped up (peer poll 1 s) to keep it short."""
+official openai SDK as the client. Polls are sped up (peer poll 1 s) to keep it short.
+gridctl explain and watch read the running gateways; a third gateway pointed at a port no
+operator listens on shows how a broken setup reads (degraded, 503 naming the cause)."""
 
 from __future__ import annotations
 
@@ -99,10 +101,14 @@ availability: {{shedding: {{enabled: true}}}}
     assert codes[2:] == [0, 0, 0, 0], (codes, (ws / "grid.log").read_text()[-3000:])
 
 
+def gridctl(grid, name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                           "--socket", str(grid["ws"] / "run" / f"{name}.sock"), *args],
+                          capture_output=True, text=True, timeout=30)
+
+
 def gridctl_json(grid, name: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                          "--socket", str(grid["ws"] / "run" / f"{name}.sock"), "status", "--json"],
-                         capture_output=True, text=True, timeout=30)
+    out = gridctl(grid, name, "status", "--json")
     if out.returncode != 0:
         raise ValueError(f"gridctl: {out.stderr.strip()}")  # not up yet: wait_until retries
     return json.loads(out.stdout)["status"]
@@ -220,3 +226,94 @@ def test_docs_metrics_lists_every_series_with_its_labels(grid):
     assert wrong == {}
     with_samples = {name for name, samples in exposed.items() if samples}
     assert len(with_samples) >= 30, sorted(set(exposed) - with_samples)
+
+
+def test_gridctl_explain_and_watch_on_a_running_grid(grid):
+    def both_fresh():
+        e = json.loads(gridctl(grid, "gw-a", "explain", MODEL, "--json").stdout)["explain"]
+        return [c["signal"] for c in e["candidates"]] == ["fresh", "fresh"] and e
+    e = wait_until(both_fresh, "both sites fresh at gateway a")
+    assert e["outcome"]["kind"] == "forward" and e["pick_rule"] == "two_choices"
+    chances = {f"{c['site']}/{c['provider']}": c["chance"] for c in e["candidates"]}
+    assert sorted(chances) == ["a/pool-a", "b/pool-b"] and sum(chances.values()) == pytest.approx(1.0)
+    assert {c["site"]: c["local"] for c in e["candidates"]} == {"a": True, "b": False}
+    assert all(c["capacity"]["units"] == 2 and c["arrived_age_s"] is not None for c in e["candidates"])
+    # status --json carries each candidate's signal state and age too.
+    status = gridctl_json(grid, "gw-a")["role_status"]["candidates"]
+    assert all(c["signal"] in ("fresh", "stale", "silent") and c["age_s"] >= 0 for c in status) and len(status) == 2
+
+    out = gridctl(grid, "gw-a", "explain", MODEL)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"model       {MODEL}  (pick rule two_choices")
+    assert lines[1].startswith("a request   forward: ")
+    rows = {tuple(line.split()[:2]): line.split() for line in lines
+            if line.split()[:2] in (["a", "pool-a"], ["b", "pool-b"])}
+    assert set(rows) == {("a", "pool-a"), ("b", "pool-b")}
+    shown = [float(row[-1].rstrip("%")) for row in rows.values()]
+    assert sum(shown) == pytest.approx(100.0, abs=0.11)
+    reasons = [line for line in lines if line.startswith(("a/pool-a: ", "b/pool-b: "))]
+    assert len(reasons) == 2 and all("capacity" in r and "reading" in r for r in reasons)
+
+    unknown = gridctl(grid, "gw-a", "explain", "no-such-model")
+    assert unknown.returncode == 0 and f"404: no site serves 'no-such-model' (models here: {MODEL})" in unknown.stdout
+
+    watched = gridctl(grid, "gw-a", "watch", "status", "--count", "2", "--interval", "0.5")
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.count("every 0.5s: gridctl status") == 2
+    assert watched.stdout.count("role        gateway") == 2 and "\x1b[2J" not in watched.stdout  # not a terminal
+    watched = gridctl(grid, "gw-a", "watch", "explain", MODEL, "--count", "1", "--json")
+    assert watched.returncode == 0 and json.loads(watched.stdout)["explain"]["model"] == MODEL
+    # A reader that goes away (`gridctl watch | head -1`) ends the watch quietly, no traceback.
+    reader = subprocess.Popen([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                               "--socket", str(grid["ws"] / "run" / "gw-a.sock"), "watch", "status", "--interval", "0.2",
+                               "--count", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.readline().startswith(b"every 0.2s: gridctl status")
+    reader.stdout.close()
+    assert reader.wait(timeout=30) == 0
+    assert reader.stderr.read() == b""
+
+
+def test_a_gateway_pointed_at_a_wrong_operator_port_is_degraded_and_answers_503_naming_the_cause(grid):
+    """Issue 12, done when: a broken setup must not look like a wrong model name (404)."""
+    ws = grid["ws"]
+    http, wrong = free_ports(2)
+    (ws / "gw-wrong.yaml").write_text(f"""
+role: gateway
+site: a
+replica: g1
+tls: {{ca: certs/ca.pem, cert: certs/a-gateway-g1.pem, key: certs/a-gateway-g1-key.pem}}
+listen: {{http: "127.0.0.1:{http}"}}
+control_socket: run/gw-wrong.sock
+operator: {{url: "wss://127.0.0.1:{wrong}/signals"}}
+""")
+    with open(ws / "gw-wrong.log", "ab") as log:
+        proc = gridd("run", "--config", str(ws / "gw-wrong.yaml"), log=log)
+        try:
+            status = wait_until(lambda: (s := gridctl_json(grid, "gw-wrong"))["state"] == "degraded" and s,
+                                "the gateway to report degraded")
+            role = status["role_status"]
+            assert role["degraded"] == "no routing data from the operator: no poll has succeeded yet"
+            assert role["operator_state"] == "down" and role["last_poll_error"].startswith("connect: ")
+            human = gridctl(grid, "gw-wrong", "status").stdout
+            assert "state       degraded" in human
+            assert "degraded    no routing data from the operator: no poll has succeeded yet" in human
+
+            r = httpx.post(f"http://127.0.0.1:{http}/v1/chat/completions", timeout=10, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 503
+            error = r.json()["error"]
+            assert error["code"] == "no_routing_data"
+            assert error["message"] == "no routing data from the operator: no poll has succeeded yet"
+            assert int(r.headers["retry-after"]) >= 1
+            ready = httpx.get(f"http://127.0.0.1:{http}/readyz", timeout=5)
+            assert ready.status_code == 503 and "no routing data from the operator" in ready.text
+
+            explained = gridctl(grid, "gw-wrong", "explain", MODEL)
+            assert explained.returncode == 0
+            assert ("a request   503 no_routing_data (no_operator_data): no routing data from the operator: "
+                    "no poll has succeeded yet; Retry-After about 2 s") in explained.stdout
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0

@@ -28,6 +28,7 @@ from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse
 from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, http_limits
 from gridd.core.decisions import Decision
+from gridd.core.explain import explain_model
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.core.transitions import TransitionLog
@@ -403,6 +404,10 @@ class GatewayService:
         self.operator_state = "not polling (draining)"
         self._stop_accepting.set()
         await self._front_done.wait()
+
+    def explain(self, model: str) -> dict[str, Any]:
+        """gridctl explain MODEL: the store's view of the model at trio's current time."""
+        return msgspec.to_builtins(explain_model(self.store, model, now=trio.current_time()))
 
     def status(self) -> dict[str, Any]:
         now = trio.current_time()
