@@ -462,10 +462,11 @@ def _explain_shedding(sh: dict[str, Any]) -> str:
     if not sh["enabled"]:
         return "off (availability.shedding.enabled: false): an all-full model is forwarded, never 429"
     line = "on: SHEDDING (429)" if sh["shedding"] else "on: not shedding"
+    lasted = f" for {sh['run_for_s']:g} s" if sh.get("run_for_s") is not None else ""
     if sh.get("run") == "full":
-        line += "; every fresh healthy site is full: a full run is under way"
+        line += f"; every fresh healthy site is full: a full run under way{lasted}"
     elif sh.get("run") == "relief":
-        line += "; some fresh healthy site is not full: a relief run is under way"
+        line += f"; some fresh healthy site is not full: a relief run under way{lasted}"
     if sh.get("next_change_s") is not None:
         line += f" (next change in about {sh['next_change_s']:g} s)"
     return line

@@ -203,7 +203,8 @@ def test_shedding_runs_and_the_429():
     # Every fresh healthy site full, not yet for full_after: forwarded, a full run under way.
     assert (e.outcome.kind, e.outcome.cause) == ("forward", "full")
     assert "forwarded (not yet full for full_after)" in e.outcome.message
-    assert (e.shedding.enabled, e.shedding.shedding, e.shedding.run, e.shedding.next_change_s) == (True, False, "full", 1.5)
+    assert (e.shedding.enabled, e.shedding.shedding, e.shedding.run, e.shedding.next_change_s,
+            e.shedding.run_for_s) == (True, False, "full", 1.5, 0.5)
     s.ingest([feed.batch("a", ld=full), feed.batch("b", ld=full)], now=2.0, now_wall=WALL)
     e = same_as_decide(s, "m", 2.0)
     assert (e.outcome.kind, e.outcome.status, e.outcome.retry_after_s) == ("shed", 429, 5.0)
@@ -211,7 +212,7 @@ def test_shedding_runs_and_the_429():
     assert all(c.chance == 0.0 for c in e.candidates)
     s.ingest([feed.batch("a", ld=load(kv=0.0)), feed.batch("b", ld=full)], now=3.0, now_wall=WALL)
     e = same_as_decide(s, "m", 4.0)  # relief run from 3.0: routes again at 8.0
-    assert (e.outcome.kind, e.shedding.run, e.shedding.next_change_s) == ("shed", "relief", 4.0)
+    assert (e.outcome.kind, e.shedding.run, e.shedding.next_change_s, e.shedding.run_for_s) == ("shed", "relief", 4.0, 1.0)
     # Shedding off: the same all-full model is forwarded, and no run is reported.
     off = gateway(shedding=False)
     off.ingest([feed.batch("a", ld=full), feed.batch("b", ld=full)], now=0.0, now_wall=WALL)

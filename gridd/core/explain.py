@@ -124,13 +124,15 @@ class ShedExplain(msgspec.Struct, frozen=True):
     candidate was full at the last ingest (the model sheds once that lasts full_after);
     ``relief`` while shedding and some fresh healthy candidate was not full (it routes
     again once that lasts room_after); None otherwise. next_change_s: the time until the
-    state can next change (the 429's Retry-After hint, clamped to [1, 60] s).
+    state can next change (the 429's Retry-After hint, clamped to [1, 60] s). run_for_s:
+    how long the run has lasted.
     """
 
     enabled: bool
     shedding: bool
     run: str | None
     next_change_s: float | None
+    run_for_s: float | None = None
 
 
 class RequestOutcome(msgspec.Struct, frozen=True):
@@ -278,11 +280,9 @@ def _outcome(store: GatewayStore, model: str, snapshot: OrderedSnapshot | None, 
                                   f"every fresh healthy candidate is full; forwarded ({why}): {picks}")
         return RequestOutcome("forward", None, None, None, picks)
     if snapshot.excluded:
-        silent = all(store.candidate_state(c, now).excluded == "silent"
-                     for v in snapshot.excluded if (c := store.candidates.get((v.site, v.provider))) is not None)
-        cause = "silent" if silent else "excluded"
+        cause = store.unavailable_cause(snapshot, now)
         return RequestOutcome("unavailable", 503, cause, snapshot.none_healthy_retry_after_s,
-                              "every candidate is silent" if silent else "every candidate is excluded")
+                              f"every candidate is {cause}")
     return RequestOutcome("unknown_model", 404, None, None, f"no site serves {model!r}")
 
 
@@ -301,16 +301,16 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
                                extra_rho=store.pending_rho(now) if knobs.pending_weight > 0 else None)
     shed = store.shed.get(model) if knobs.shedding else None  # consulted only when enabled
     shedding_now = shed is not None and shed.shedding(now)
-    run = None
-    if shed is not None and snapshot is not None:
-        # The last ingest's observation is the snapshot's all_full (GatewayStore.rebuild).
-        if shedding_now:
-            run = None if snapshot.all_full else "relief"
-        elif snapshot.all_full:
-            run = "full"
+    run, since = None, None
+    if shed is not None:
+        if shedding_now and shed.relief_since is not None:
+            run, since = "relief", shed.relief_since
+        elif not shedding_now and shed.full_since is not None:
+            run, since = "full", shed.full_since
     shedding = ShedExplain(enabled=knobs.shedding, shedding=shedding_now, run=run,
                            next_change_s=shed.retry_after_s(now) if shed is not None and (run or shedding_now)
-                           else None)
+                           else None,
+                           run_for_s=None if since is None else round(now - since, 3))
     outcome = _outcome(store, model, snapshot, now, chances, shedding_now)
     if outcome.kind != "forward":
         chances = {}  # a request answered 429/503/404 is not picked

@@ -85,6 +85,16 @@ class ShedState:
             self._shedding = True
             self._relief_since = None
 
+    @property
+    def full_since(self) -> float | None:
+        """Start of the full run under way (every fresh healthy site full), or None."""
+        return self._full_since
+
+    @property
+    def relief_since(self) -> float | None:
+        """Start of the relief run under way (some fresh healthy site not full), or None."""
+        return self._relief_since
+
     def shedding(self, now: float) -> bool:
         """Whether the model sheds at ``now`` (``now`` never goes backwards)."""
         self._advance(now)

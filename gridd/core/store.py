@@ -303,11 +303,11 @@ class GatewayStore:
             self.sends.record((outcome.site, outcome.provider), now)
             return self._forward(outcome)
         if isinstance(outcome, NoneHealthy):
-            return Unavailable(outcome.retry_after_s, cause=self._unavailable_cause(snapshot, now))
+            return Unavailable(outcome.retry_after_s, cause=self.unavailable_cause(snapshot, now))
         assert isinstance(outcome, NoCandidates)
         if not snapshot.excluded:
             return UnknownModel()
-        return Unavailable(snapshot.none_healthy_retry_after_s, cause=self._unavailable_cause(snapshot, now))
+        return Unavailable(snapshot.none_healthy_retry_after_s, cause=self.unavailable_cause(snapshot, now))
 
     def pending_rho(self, now: float) -> ExtraRho:
         """The rho each candidate's pending sends add at ``now`` (what pick() and explain use)."""
@@ -322,7 +322,7 @@ class GatewayStore:
             return weight * sends.since(key, now - cand.age_s(now)) / view.capacity
         return extra_rho
 
-    def _unavailable_cause(self, snapshot: OrderedSnapshot, now: float) -> str:
+    def unavailable_cause(self, snapshot: OrderedSnapshot, now: float) -> str:
         """"silent" when every excluded candidate is excluded for being silent."""
         for view in snapshot.excluded:
             cand = self.candidates.get((view.site, view.provider))
