@@ -117,15 +117,7 @@ class Processes:
         return proc.wait(timeout=20)
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop_all(list(self.procs.values()))
 
     def sim_url(self, name: str) -> str:
         def url() -> str | None:
