@@ -196,6 +196,27 @@ def test_no_routing_data_is_503_never_404():
                                             "was 20 s ago (signal TTL 20 s)")
 
 
+def test_an_answer_whose_every_batch_is_dropped_is_no_routing_data():
+    """A gateway whose clock is far behind its operator's drops every batch as skew: it holds
+    no routing data and must say so (503 naming the cause), not answer 404."""
+    s = store(signal_ttl_s=20.0)
+    ahead = int(WALL) + 3600  # publisher epochs an hour ahead of this gateway's clock
+    s.ingest([Feed().batch("a", epoch=ahead), Feed().batch("b", epoch=ahead)], now=0.0, now_wall=WALL)
+    assert s.decide("m", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
+    assert s.routing_data_problem(0.0) == (
+        "no usable routing data from the operator: every batch of its answers was dropped (skew 2) (skew: "
+        "their publisher epochs are more than timings.future_epoch_bound_s ahead of this gateway's clock; "
+        "check both clocks)")
+    # One usable batch in an answer is routing data again.
+    s.ingest([Feed().batch("a", epoch=ahead), Feed().batch("b")], now=1.0, now_wall=WALL)
+    assert s.routing_data_problem(1.0) is None
+    assert isinstance(s.decide("m", now=1.0, rng=random.Random(1)), Forward)
+    # An empty answer (an operator with no providers) is routing data: nothing is served.
+    empty = store(signal_ttl_s=20.0)
+    empty.ingest([], now=0.0, now_wall=WALL)
+    assert empty.decide("m", now=0.0, rng=random.Random(1)) == UnknownModel()
+
+
 def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
     feed = Feed()

@@ -142,6 +142,9 @@ class GatewayStore:
         self.set_serving(ServingConfig())
         self.ingests = 0
         self.last_ingest_at: float | None = None
+        """The latest answer that carried routing data (or legitimately none: no providers)."""
+        self.last_unusable: tuple[float, dict[str, int]] | None = None
+        """(when, drops by reason) of the latest answer whose every batch was dropped."""
 
     @property
     def signal_ttl_s(self) -> float:
@@ -176,12 +179,16 @@ class GatewayStore:
         within one poll. ``complete_view``: the answer names every provider the operator
         holds; one it no longer holds is kept, ageing, until candidate_retention_s."""
         seen: set[tuple[str, str]] = set()
+        dropped: dict[str, int] = {}
         for batch in batches:
             key = (batch.site, batch.provider)
             seen.add(key)
             # The local operator relays every site's batches; it verified each peer's
             # identity, so no site attribution check here (verified_site=None).
             admission = self.fences.admit(batch, now_wall=now_wall, verified_site=None)
+            if admission.outcome is Outcome.DROPPED:
+                reason = admission.reason or "dropped"
+                dropped[reason] = dropped.get(reason, 0) + 1
             if admission.outcome is not Outcome.ACCEPTED:
                 continue  # REPEAT leaves age and learning lifetime unchanged; drops are counted
             cand = self.candidates.get(key)
@@ -205,7 +212,13 @@ class GatewayStore:
             for key in [k for k, c in self.candidates.items() if k not in seen and c.age_s(now) > horizon]:
                 self._forget(key)
         self.ingests += 1
-        self.last_ingest_at = now
+        if seen and sum(dropped.values()) == len(seen):
+            # Every batch of the answer was refused (say all as skew: this gateway's clock is
+            # far behind its operator's): that is no routing data, not an empty grid. The
+            # gateway cannot tell which models exist, so it must not answer 404.
+            self.last_unusable = (now, dropped)
+        else:
+            self.last_ingest_at = now
         self.rebuild(now)
 
     def _forget(self, key: tuple[str, str]) -> None:
@@ -346,10 +359,15 @@ class GatewayStore:
 
     def routing_data_problem(self, now: float) -> str | None:
         """Why the gateway has no routing data, or None: the cause a 503 and status name."""
+        if self.last_ingest_at is not None and now - self.last_ingest_at <= self.signal_ttl_s:
+            return None
+        if self.last_unusable is not None and (self.last_ingest_at is None or self.last_unusable[0] > self.last_ingest_at):
+            drops = ", ".join(f"{reason} {n}" for reason, n in sorted(self.last_unusable[1].items()))
+            hint = " (skew: their publisher epochs are more than timings.future_epoch_bound_s ahead of this " \
+                   "gateway's clock; check both clocks)" if "skew" in self.last_unusable[1] else ""
+            return f"no usable routing data from the operator: every batch of its answers was dropped ({drops}){hint}"
         if self.last_ingest_at is None:
             return "no routing data from the operator: no poll has succeeded yet"
         age = now - self.last_ingest_at
-        if age > self.signal_ttl_s:
-            return (f"no routing data from the operator: the last successful poll was {age:.0f} s ago "
-                    f"(signal TTL {self.signal_ttl_s:g} s)")
-        return None
+        return (f"no routing data from the operator: the last successful poll was {age:.0f} s ago "
+                f"(signal TTL {self.signal_ttl_s:g} s)")
