@@ -23,9 +23,9 @@ def _gridd_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gridd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run the daemon (operator or gateway, from the config's role)")
-    run.add_argument("--config", help="config file (default: $GRIDD_CONFIG)")
+    run.add_argument("--config", help="config file (default: $GRIDD_CONFIG, or $GATEWAY_CONFIG)")
     check = sub.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
-    check.add_argument("file", nargs="?", help="config file (default: $GRIDD_CONFIG)")
+    check.add_argument("file", nargs="?", help="config file (default: $GRIDD_CONFIG, or $GATEWAY_CONFIG)")
     sub.add_parser("sim", help="run a simulated EPP/vLLM backend (gridd sim --help)", add_help=False)
     sub.add_parser("certs", help="make a grid CA and issue certificates (gridd certs --help)", add_help=False)
     sub.add_parser("demo", help="run a local demo grid with simulated backends (gridd demo --help)",
@@ -34,7 +34,9 @@ def _gridd_parser() -> argparse.ArgumentParser:
 
 
 def _config_path(arg: str | None) -> str | None:
-    return arg or os.environ.get("GRIDD_CONFIG") or None
+    from gridd.config import config_from_env
+
+    return arg or config_from_env(os.environ)
 
 
 def gridd_main(argv: list[str] | None = None) -> int:
@@ -68,7 +70,7 @@ def _check_config(path: str | None) -> int:
     from gridd.preflight import check_runnable
 
     if path is None:
-        print("gridd check-config: no config file given (argument or $GRIDD_CONFIG)", file=sys.stderr)
+        print("gridd check-config: no config file given (argument, $GRIDD_CONFIG or $GATEWAY_CONFIG)", file=sys.stderr)
         return EXIT_USAGE
     try:
         loaded = load_config(path)
@@ -101,7 +103,7 @@ def _run(path: str | None) -> int:
 
     log = logging.getLogger("gridd")
     if path is None:
-        log.error("no config file given (--config or $GRIDD_CONFIG)")
+        log.error("no config file given (--config, $GRIDD_CONFIG or $GATEWAY_CONFIG)")
         return EXIT_USAGE
     try:
         loaded = load_config(path)
@@ -181,13 +183,13 @@ def _providers_call(status: dict[str, Any], args: argparse.Namespace) -> tuple[i
 
 
 def _socket_path(args: argparse.Namespace) -> pathlib.Path:
-    from gridd.config import default_control_socket, load_config
+    from gridd.config import config_from_env, default_control_socket, load_config
 
     if args.socket:
         return pathlib.Path(args.socket)
     if os.environ.get("GRIDD_SOCKET"):
         return pathlib.Path(os.environ["GRIDD_SOCKET"])
-    config = args.config or os.environ.get("GRIDD_CONFIG")
+    config = args.config or config_from_env(os.environ)
     if config:
         loaded = load_config(config)
         return default_control_socket(loaded.config, loaded.workspace, dict(os.environ))

@@ -609,7 +609,7 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
         runner = rig.operator.probes
         task_a = runner.tasks[("llama", "a")]
         assert set(rig.operator.publishers["llama"].probes) == {"performance.num_requests_waiting",
-                                                                "attributes.probe.num_requests_waiting"}
+                                                                "probe.num_requests_waiting"}
         await rig.reload(autojump_clock, operator_yaml({"name": "a"}, {"name": "b", "interval": 4},
                                                        {"name": "c", "enabled": "false", "prefix": "attributes.probe"}))
         reloaded = trio.current_time()
@@ -628,7 +628,7 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
         assert rig.sample("grid_probe_ticks_total", "c") is None  # not running: no series
         states = {p["name"]: p["state"] for p in rig.operator.status()["providers"][0]["probes"]}
         assert states == {"a": "ok", "b": "ok", "c": "disabled"}
-        assert "attributes.probe.num_requests_waiting" not in rig.latest().probes
+        assert "probe.num_requests_waiting" not in rig.latest().probes
         nursery.cancel_scope.cancel()
 
 

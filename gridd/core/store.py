@@ -39,6 +39,7 @@ from gridd.core.pending import DEFAULT_PENDING_WEIGHT, RecentSends
 from gridd.core.readings import LoadSignals
 from gridd.core.selection import ExtraRho, Full, NoCandidates, NoneHealthy, PickRule, Route, pick
 from gridd.core.shedding import ShedState
+from gridd.core.strategy import AllDropped, StrategyTable, Values, fresh_values, strategy_pick
 from gridd.wire import Batch, ServingConfig
 
 LOCAL_RECHECK_S = 2.0
@@ -69,6 +70,8 @@ class RoutingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     shedding: bool = False
     full_after_s: float = 2.0
     room_after_s: float = 5.0
+    strategies: StrategyTable = StrategyTable()
+    """Per model, the strategy that filters and ranks on probe metadata (none by default)."""
 
     def learner_args(self) -> dict[str, float]:
         return {"floor": self.capacity_floor, "alpha": self.rho_smoothing,
@@ -295,8 +298,17 @@ class GatewayStore:
         # header comes from clients as well, and must not be a way around a 429.
         if self.knobs.shedding and snapshot.ordered and shed is not None and shed.shedding(now):
             return Shed(shed.retry_after_s(now))
-        outcome = pick(snapshot, rng, rule=self.knobs.pick_rule,
-                       extra_rho=self.pending_rho(now) if self.knobs.pending_weight > 0 else None)
+        extra_rho = self.pending_rho(now) if self.knobs.pending_weight > 0 else None
+        strategy = self.knobs.strategies.for_model(model)
+        if strategy is None:
+            outcome = pick(snapshot, rng, rule=self.knobs.pick_rule, extra_rho=extra_rho)
+        else:
+            # After the grid's rules (exclusion is in the snapshot, shedding above): the
+            # strategy filters and ranks only the healthy candidates (gridd/core/strategy.py).
+            outcome = strategy_pick(snapshot, rng, strategy, self.probe_values(now),
+                                    rule=self.knobs.strategies.pick_rule, extra_rho=extra_rho)
+            if isinstance(outcome, AllDropped):
+                return Unavailable(outcome.retry_after_s, cause="strategy")
         if isinstance(outcome, Full):
             outcome = outcome.route  # shedding off, or not yet full for full_after_ms: route
         if isinstance(outcome, Route):
@@ -321,6 +333,19 @@ class GatewayStore:
                 return 0.0
             return weight * sends.since(key, now - cand.age_s(now)) / view.capacity
         return extra_rho
+
+    def probe_values(self, now: float) -> Values:
+        """Each candidate's probe values fresh at ``now``, read from its latest batch at the
+        pick (no cache); a value older than the signal TTL is missing (what strategies and
+        explain use)."""
+        ttl, candidates = self.signal_ttl_s, self.candidates
+
+        def values(view: CandidateView) -> dict[str, float]:
+            cand = candidates.get((view.site, view.provider))
+            if cand is None or cand.batch is None:
+                return {}
+            return fresh_values(cand.batch.probes, cand.batch.probe_age_s, cand.age_s(now), ttl)
+        return values
 
     def _unavailable_cause(self, snapshot: OrderedSnapshot, now: float) -> str:
         """"silent" when every excluded candidate is excluded for being silent."""
