@@ -276,6 +276,13 @@ def _provider_row(p: dict[str, Any]) -> list[Any]:
             _fmt(failure)]
 
 
+def _metadata_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Probe metadata (spec 004), one line per value, with its age: what strategies read."""
+    return _table(["PROVIDER", "METADATA", "VALUE", "AGE"], [
+        [name, key, f"{value:g}", _secs((item.get("metadata_age_s") or {}).get(key))]
+        for name, item in rows for key, value in sorted((item.get("metadata") or {}).items())])
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"role        {s['role']}",
@@ -308,6 +315,7 @@ def format_status(s: dict[str, Any]) -> str:
         lines += _table(["PROVIDER", "PROBE", "STATE", "TICKS", "FAILURES", "SERIES", "LAST OK"], [
             [name, q["name"], q.get("state", "-"), q.get("ticks", "-"), sum((q.get("failures") or {}).values()),
              q.get("series", "-"), _secs(q.get("last_success_age_s"))] for name, q in probes])
+        lines += _metadata_table([(p["name"], p) for p in role.get("providers", [])])
         feedback = (role.get("gateway_feedback") or {}).get("conditions") or []
         lines += _table(["GATEWAY", "AGES REJECTED", "REASON", "MESSAGE"], [
             [c.get("replica", "-"), c.get("status", "-"), c.get("reason", "-"), c.get("message", "")]
@@ -327,4 +335,8 @@ def format_status(s: dict[str, Any]) -> str:
              "fresh" if c.get("signal") == "fresh" else str(c.get("signal", "-")).upper(),
              {True: "yes", False: "NO", None: "unknown"}[c.get("ready")], _fmt(c.get("excluded")),
              _fmt(c.get("rho"), ".2f"), _fmt(c.get("capacity"), ".1f")] for c in role.get("candidates", [])])
+        if role.get("strategies"):
+            lines.append("")
+            lines += [f"strategy    {model}: {name}" for model, name in sorted(role["strategies"].items())]
+        lines += _metadata_table([(f"{c['site']}/{c['provider']}", c) for c in role.get("candidates", [])])
     return "\n".join(lines)
