@@ -5,7 +5,9 @@ ingest():   batches from the local operator pass admission (epoch/sequence fence
             and the per-model snapshots are rebuilt and swapped in whole.
 decide():   the request path: one snapshot read, one pick (raised by this gateway's own
             sends that the readings cannot show yet, gridd.core.pending), the shedding
-            state. It never reads raw signals or computes load.
+            state. It never reads raw signals or computes load. A model with a strategy
+            (gridd.core.strategy) is picked by it instead, among the same healthy
+            candidates, on the probe values of their current batches.
 
 A candidate's reading goes through four states as it ages (docs/routing.md, "The store"):
 fresh (within the signal TTL), stale (sorts last, used only when no fresh healthy site is
