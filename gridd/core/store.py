@@ -336,19 +336,6 @@ class GatewayStore:
             return weight * sends.since(key, now - cand.age_s(now)) / view.capacity
         return extra_rho
 
-    def probe_values(self, now: float) -> Values:
-        """Each candidate's probe values fresh at ``now``, read from its latest batch at the
-        pick (no cache); a value older than the signal TTL is missing (what strategies and
-        explain use)."""
-        ttl, candidates = self.signal_ttl_s, self.candidates
-
-        def values(view: CandidateView) -> dict[str, float]:
-            cand = candidates.get((view.site, view.provider))
-            if cand is None or cand.batch is None:
-                return {}
-            return fresh_values(cand.batch.probes, cand.batch.probe_age_s, cand.age_s(now), ttl)
-        return values
-
     def _unavailable_cause(self, snapshot: OrderedSnapshot, now: float) -> str:
         """"silent" when every excluded candidate is excluded for being silent."""
         for view in snapshot.excluded:
@@ -363,6 +350,19 @@ class GatewayStore:
             return Forward(route.site, route.provider, route.model, local=local)
         ingress = next(i.url for i in self.serving.ingresses if i.site == route.site)
         return Forward(route.site, route.provider, route.model, ingress_url=ingress)
+
+    def probe_values(self, now: float) -> Values:
+        """Each candidate's probe values fresh at ``now``, read from its latest batch at the
+        pick (no cache); a value older than the signal TTL is missing (what strategies and
+        explain use)."""
+        ttl, candidates = self.signal_ttl_s, self.candidates
+
+        def values(view: CandidateView) -> dict[str, float]:
+            cand = candidates.get((view.site, view.provider))
+            if cand is None or cand.batch is None:
+                return {}
+            return fresh_values(cand.batch.probes, cand.batch.probe_age_s, cand.age_s(now), ttl)
+        return values
 
     def has_routing_data(self, now: float) -> bool:
         """Holding a snapshot built from a poll within the signal TTL (GET /readyz, and
