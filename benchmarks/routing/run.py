@@ -138,6 +138,10 @@ def scenario_cells(name: str, duration_s: float) -> list[tuple[str, Cell]]:
 
 
 SCENARIOS = ("steady", "herd", "burst", "scale", "slow", "silent", "cold", "probe")
+SCENARIO_SEEDS = {"probe": 6}
+"""Seeds per cell where 3 do not separate the policies: at 70% load the two pick rules under a
+strategy differ by less than the seed-to-seed spread of 3 seeds (measured: 8.21 vs 7.91 s and
+20.65 vs 19.17 s at 3 seeds, and either order with small changes to the grid's tie-break)."""
 
 
 def run_scenario(name: str, *, seeds: int, duration_s: float, processes: int) -> dict[tuple[str, str], Pooled]:
@@ -249,7 +253,7 @@ def plot(name: str, pooled: dict[tuple[str, str], Pooled], directory: str) -> st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", default="steady", choices=(*SCENARIOS, "all"))
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per cell, pooled (default 3)")
+    parser.add_argument("--seeds", type=int, help="seeds per cell, pooled (default 3; 6 for probe)")
     parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds per run (default 600)")
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--plots", metavar="DIR", help="write one PNG per scenario into DIR")
@@ -258,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     closing: list[str] = []
     for name in names:
         started = time.monotonic()
-        pooled = run_scenario(name, seeds=args.seeds, duration_s=args.duration, processes=args.processes)
+        pooled = run_scenario(name, seeds=args.seeds or SCENARIO_SEEDS.get(name, 3), duration_s=args.duration,
+                              processes=args.processes)
         print_table(name, pooled)
         if args.plots:
             path = plot(name, pooled, args.plots)
