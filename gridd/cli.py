@@ -23,9 +23,9 @@ def _gridd_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gridd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run the daemon (operator or gateway, from the config's role)")
-    run.add_argument("--config", help="config file (default: $GRIDD_CONFIG)")
+    run.add_argument("--config", help="config file (default: $GRIDD_CONFIG, or $GATEWAY_CONFIG)")
     check = sub.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
-    check.add_argument("file", nargs="?", help="config file (default: $GRIDD_CONFIG)")
+    check.add_argument("file", nargs="?", help="config file (default: $GRIDD_CONFIG, or $GATEWAY_CONFIG)")
     sub.add_parser("sim", help="run a simulated EPP/vLLM backend (gridd sim --help)", add_help=False)
     sub.add_parser("certs", help="make a grid CA and issue certificates (gridd certs --help)", add_help=False)
     sub.add_parser("demo", help="run a local demo grid with simulated backends (gridd demo --help)",
@@ -34,7 +34,9 @@ def _gridd_parser() -> argparse.ArgumentParser:
 
 
 def _config_path(arg: str | None) -> str | None:
-    return arg or os.environ.get("GRIDD_CONFIG") or None
+    from gridd.config import config_from_env
+
+    return arg or config_from_env(os.environ)
 
 
 def gridd_main(argv: list[str] | None = None) -> int:
@@ -68,7 +70,7 @@ def _check_config(path: str | None) -> int:
     from gridd.preflight import check_runnable
 
     if path is None:
-        print("gridd check-config: no config file given (argument or $GRIDD_CONFIG)", file=sys.stderr)
+        print("gridd check-config: no config file given (argument, $GRIDD_CONFIG or $GATEWAY_CONFIG)", file=sys.stderr)
         return EXIT_USAGE
     try:
         loaded = load_config(path)
@@ -101,7 +103,7 @@ def _run(path: str | None) -> int:
 
     log = logging.getLogger("gridd")
     if path is None:
-        log.error("no config file given (--config or $GRIDD_CONFIG)")
+        log.error("no config file given (--config, $GRIDD_CONFIG or $GATEWAY_CONFIG)")
         return EXIT_USAGE
     try:
         loaded = load_config(path)
@@ -189,13 +191,13 @@ def _providers_call(status: dict[str, Any], args: argparse.Namespace) -> tuple[i
 
 
 def _socket_path(args: argparse.Namespace) -> pathlib.Path:
-    from gridd.config import default_control_socket, load_config
+    from gridd.config import config_from_env, default_control_socket, load_config
 
     if args.socket:
         return pathlib.Path(args.socket)
     if os.environ.get("GRIDD_SOCKET"):
         return pathlib.Path(os.environ["GRIDD_SOCKET"])
-    config = args.config or os.environ.get("GRIDD_CONFIG")
+    config = args.config or config_from_env(os.environ)
     if config:
         loaded = load_config(config)
         return default_control_socket(loaded.config, loaded.workspace, dict(os.environ))
@@ -382,6 +384,13 @@ def _provider_row(p: dict[str, Any]) -> list[Any]:
             _fmt(failure)]
 
 
+def _metadata_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Probe metadata (spec 004), one line per value, with its age: what strategies read."""
+    return _table(["PROVIDER", "METADATA", "VALUE", "AGE"], [
+        [name, key, f"{value:g}", _secs((item.get("metadata_age_s") or {}).get(key))]
+        for name, item in rows for key, value in sorted((item.get("metadata") or {}).items())])
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"role        {s['role']}",
@@ -414,6 +423,7 @@ def format_status(s: dict[str, Any]) -> str:
         lines += _table(["PROVIDER", "PROBE", "STATE", "TICKS", "FAILURES", "SERIES", "LAST OK"], [
             [name, q["name"], q.get("state", "-"), q.get("ticks", "-"), sum((q.get("failures") or {}).values()),
              q.get("series", "-"), _secs(q.get("last_success_age_s"))] for name, q in probes])
+        lines += _metadata_table([(p["name"], p) for p in role.get("providers", [])])
         feedback = (role.get("gateway_feedback") or {}).get("conditions") or []
         lines += _table(["GATEWAY", "AGES REJECTED", "REASON", "MESSAGE"], [
             [c.get("replica", "-"), c.get("status", "-"), c.get("reason", "-"), c.get("message", "")]
@@ -433,6 +443,10 @@ def format_status(s: dict[str, Any]) -> str:
              _signal(c.get("signal")),
              {True: "yes", False: "NO", None: "unknown"}[c.get("ready")], _fmt(c.get("excluded")),
              _fmt(c.get("rho"), ".2f"), _fmt(c.get("capacity"), ".1f")] for c in role.get("candidates", [])])
+        if role.get("strategies"):
+            lines.append("")
+            lines += [f"strategy    {model}: {name}" for model, name in sorted(role["strategies"].items())]
+        lines += _metadata_table([(f"{c['site']}/{c['provider']}", c) for c in role.get("candidates", [])])
     return "\n".join(lines)
 
 

@@ -10,10 +10,12 @@ Defaults follow DESIGN.md section 5; every knob is documented in docs/config.md.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import re
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -267,6 +269,14 @@ class RoutingConfig(Base):
     pick_rule: Literal["two_choices", "spec_tiers"] = "two_choices"
     pending_weight: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 4.0
     candidate_retention_s: Positive = 600.0
+    strategy: str | None = None
+    """The strategy (a ``strategies[].name``) every model routes by unless
+    ``model_strategies`` names another; unset: no strategy (docs/strategies.md)."""
+    model_strategies: dict[str, str] = msgspec.field(default_factory=dict)
+    """Model name -> strategy name: the model-to-strategy map; it overrides ``strategy``."""
+    strategy_pick_rule: Literal["two_choices", "strict"] = "two_choices"
+    """How a strategy picks among the candidates it keeps (decided in the probe scenario of
+    the routing simulator, docs/performance.md)."""
 
 
 class SortKey(Base):
@@ -275,8 +285,12 @@ class SortKey(Base):
 
 
 class StrategyConfig(Base):
+    """A gateway strategy on probe metadata (spec 004's strategy.yaml; docs/strategies.md)."""
+
     name: str
     provider_selector: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    """Upper bounds, ``{namespace: {name: bound}}``: a candidate whose ``namespace.name``
+    value exceeds its bound is dropped."""
     sort: list[SortKey] = msgspec.field(default_factory=list)
 
 
@@ -527,6 +541,28 @@ def _check_semantics(cfg: Config) -> None:
         if peer.site in peer_sites:
             fail(f"peers[{i}].site", f"duplicate peer site {peer.site!r}")
         peer_sites.add(peer.site)
+    strategy_names: set[str] = set()
+    for i, strategy in enumerate(cfg.strategies):
+        if not strategy.name:
+            fail(f"strategies[{i}].name", "expected a non-empty name")
+        if strategy.name in strategy_names:
+            fail(f"strategies[{i}].name", f"duplicate strategy name {strategy.name!r}")
+        strategy_names.add(strategy.name)
+        for namespace, bounds in strategy.provider_selector.items():
+            for key, bound in bounds.items():
+                if not namespace or not key:
+                    fail(f"strategies[{i}].provider_selector", "expected {namespace: {name: bound}} with non-empty names")
+                if not math.isfinite(bound):
+                    fail(f"strategies[{i}].provider_selector.{namespace}.{key}", f"expected a finite bound, got {bound!r}")
+        for k, key in enumerate(strategy.sort):
+            if not key.provider_attribute:
+                fail(f"strategies[{i}].sort[{k}].provider_attribute", "expected a metadata attribute name")
+    known = f"one of the strategies' names ({', '.join(sorted(strategy_names)) or 'none defined'})"
+    if cfg.routing.strategy is not None and cfg.routing.strategy not in strategy_names:
+        fail("routing.strategy", f"expected {known}, got {cfg.routing.strategy!r}")
+    for model, name in cfg.routing.model_strategies.items():
+        if name not in strategy_names:
+            fail(f"routing.model_strategies.{model}", f"expected {known}, got {name!r}")
     t = cfg.timings
     if t.peer_poll_budget_s < t.peer_poll_interval_s:
         fail("timings.peer_poll_budget_s", "expected a budget at least as long as peer_poll_interval_s")
@@ -569,8 +605,25 @@ def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = No
     except ConfigError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith(f"{p}:") else f"{p}: {message}") from None
-    workspace = pathlib.Path(environ["GRIDD_WORKSPACE"]) if environ.get("GRIDD_WORKSPACE") else p.resolve().parent
+    named = workspace_from_env(environ)
+    workspace = pathlib.Path(named) if named else p.resolve().parent
     return LoadedConfig(config=cfg, raw=raw, path=p.resolve(), workspace=workspace, loaded_at=time.time())
+
+
+CONFIG_ENV = ("GRIDD_CONFIG", "GATEWAY_CONFIG")
+"""Where the config file is named when no argument names it; the first set wins. The
+second is spec 004's name (its examples use ``$GATEWAY_CONFIG``)."""
+WORKSPACE_ENV = ("GRIDD_WORKSPACE", "GATEWAY_WORKSPACE")
+"""The workspace (relative paths resolve against it), else the config file's directory;
+the first set wins. The second is spec 004's name."""
+
+
+def config_from_env(environ: Mapping[str, str]) -> str | None:
+    return next((environ[name] for name in CONFIG_ENV if environ.get(name)), None)
+
+
+def workspace_from_env(environ: Mapping[str, str]) -> str | None:
+    return next((environ[name] for name in WORKSPACE_ENV if environ.get(name)), None)
 
 
 def default_control_socket(cfg: Config | None, workspace: pathlib.Path | None, env: dict[str, str]) -> pathlib.Path:

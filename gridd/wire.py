@@ -144,6 +144,10 @@ class Batch(msgspec.Struct, frozen=True, omit_defaults=True):
     ready_reason: the verdict's reason (the provider's Ready condition reason).
     load / latency: None when the scrape produced none (failed, or too few requests).
     probes: probe metadata, ``<prefix>.<name>`` -> value.
+    probe_age_s: per probes key, how much older than the batch's sample the value is (the
+        time since the probe tick that produced it; a failing probe keeps its last values,
+        which age). A receiver's value age is ``age_s + probe_age_s[key]``; a key absent here
+        (an older operator) is as old as the batch.
     published_ms: the operator's wall clock at publication, milliseconds.
     age_s: how old the sample is at send time, in seconds. Relative, so no receiver
         trusts a sender's monotonic clock; each relay adds its holding time.
@@ -166,6 +170,7 @@ class Batch(msgspec.Struct, frozen=True, omit_defaults=True):
     latency: LatencyBlock | None = None
     probes: dict[str, float] = {}
     order: BatchOrder | None = None
+    probe_age_s: dict[str, float] = {}
 
 
 def ordering(batch: Batch) -> tuple[int, int] | None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gridd.config import default_control_socket, diff, load_config, parse_config
+from gridd.config import config_from_env, default_control_socket, diff, load_config, parse_config
 from gridd.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -109,6 +109,16 @@ providers:
          "auth: {scheme: bearer, api_key: 'clé'}}}\n",
          "providers[0].settings.auth.api_key: expected ASCII"),
         ("role: operator\n  site: [unclosed\n", "not valid YAML at line"),
+        ("role: operator\nsite: a\nrouting: {strategy: fast}\n",
+         "routing.strategy: expected one of the strategies' names (none defined), got 'fast'"),
+        ("role: operator\nsite: a\nstrategies: [{name: p}]\nrouting: {model_strategies: {m: q}}\n",
+         "routing.model_strategies.m: expected one of the strategies' names (p), got 'q'"),
+        ("role: operator\nsite: a\nstrategies: [{name: p}, {name: p}]\n",
+         "strategies[1].name: duplicate strategy name 'p'"),
+        ("role: operator\nsite: a\nstrategies: [{name: p, provider_selector: {performance: {q: .inf}}}]\n",
+         "strategies[0].provider_selector.performance.q: expected a finite bound, got inf"),
+        ("role: operator\nsite: a\nrouting: {strategy_pick_rule: first}\n",
+         "routing.strategy_pick_rule: expected one of 'strict', 'two_choices', got 'first'"),
     ],
 )
 def test_errors_name_the_exact_path(text, message):
@@ -149,6 +159,13 @@ def test_load_config_workspace_and_file_errors(tmp_path):
     assert loaded.resolve("var/state") == tmp_path / "var" / "state"
     assert loaded.resolve("/abs/x") == pathlib.Path("/abs/x")
     assert load_config(path, env={"GRIDD_WORKSPACE": "/srv/ws"}).workspace == pathlib.Path("/srv/ws")
+    # spec 004's names are accepted too; gridd's own win when both are set
+    assert load_config(path, env={"GATEWAY_WORKSPACE": "/srv/gw"}).workspace == pathlib.Path("/srv/gw")
+    assert load_config(path, env={"GRIDD_WORKSPACE": "/srv/ws", "GATEWAY_WORKSPACE": "/srv/gw"}).workspace == (
+        pathlib.Path("/srv/ws"))
+    assert config_from_env({"GATEWAY_CONFIG": "/etc/g.yaml"}) == "/etc/g.yaml"
+    assert config_from_env({"GRIDD_CONFIG": "/etc/a.yaml", "GATEWAY_CONFIG": "/etc/g.yaml"}) == "/etc/a.yaml"
+    assert config_from_env({"GRIDD_CONFIG": ""}) is None
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml", env={})
     (tmp_path / "bin.yaml").write_bytes(b"role: \xff\xfe\n")

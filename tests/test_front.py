@@ -436,6 +436,15 @@ async def test_unavailable_is_503_with_retry_after_not_404(nursery):
     assert front.requests("unavailable", site="none") == 1
 
 
+async def test_every_site_over_the_strategys_bounds_is_a_503_that_says_so(nursery):
+    front = await start_front(nursery, FakeRouter("a", always(Unavailable(retry_after_s=5.0, cause="strategy"))))
+    exc = await trio.to_thread.run_sync(expect_error, front, openai.APIStatusError)
+    assert exc.status_code == 503 and exc.response.json()["error"] == {
+        "message": f"every site serving {MODEL!r} is over a bound of its routing strategy; retry later",
+        "type": "service_unavailable", "param": None, "code": "model_unavailable"}
+    assert exc.response.headers["retry-after"] == str(retry_after_seconds(5.0, random.Random(SEED)))
+
+
 async def test_unknown_model_is_404_and_counted_as_other(nursery):
     front = await start_front(nursery, FakeRouter("a", always(Shed(1.0))))
     exc = await trio.to_thread.run_sync(lambda: expect_error(front, openai.NotFoundError, model="nope"))

@@ -23,7 +23,7 @@ from gridd.core.probes import Extractor, ProbeSeries, SlidingAggregate, extract,
 from gridd.core.publication import ProviderPublisher
 from gridd.operator.service import OperatorService
 from gridd.probes.runner import ProbeRunner
-from gridd.probes.sinks import JsonlHistory
+from gridd.probes.sinks import JsonlHistory, metadata_key
 from gridd.sim.app import SimApp
 from gridd.sim.model import knobs_from
 
@@ -609,7 +609,7 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
         runner = rig.operator.probes
         task_a = runner.tasks[("llama", "a")]
         assert set(rig.operator.publishers["llama"].probes) == {"performance.num_requests_waiting",
-                                                                "attributes.probe.num_requests_waiting"}
+                                                                "probe.num_requests_waiting"}
         await rig.reload(autojump_clock, operator_yaml({"name": "a"}, {"name": "b", "interval": 4},
                                                        {"name": "c", "enabled": "false", "prefix": "attributes.probe"}))
         reloaded = trio.current_time()
@@ -628,7 +628,7 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
         assert rig.sample("grid_probe_ticks_total", "c") is None  # not running: no series
         states = {p["name"]: p["state"] for p in rig.operator.status()["providers"][0]["probes"]}
         assert states == {"a": "ok", "b": "ok", "c": "disabled"}
-        assert "attributes.probe.num_requests_waiting" not in rig.latest().probes
+        assert "probe.num_requests_waiting" not in rig.latest().probes
         nursery.cancel_scope.cancel()
 
 
@@ -778,3 +778,39 @@ async def test_a_sink_path_that_is_not_a_regular_file_is_an_io_error_not_a_hang(
         history = JsonlHistory(target, max_entries=10, run_io=lambda fn, *a: fn(*a))
         with trio.fail_after(5), pytest.raises(OSError):
             await history.append(b'{"x": 1}\n')
+
+
+async def test_a_probe_only_provider_is_published_every_scrape_interval_with_value_ages(tmp_path, autojump_clock):
+    # Spec 004 Example 1: no metrics block. Before, nothing ever published such a provider.
+    text = operator_yaml({"name": "perf"}).replace('    metrics: {url: "http://sim/metrics", timeout_s: 2}\n', "")
+    rig = OperatorRig(tmp_path, text, max_seqs=1, ttft_s=3600)
+    async with trio.open_nursery() as nursery:
+        await load(rig.sim, nursery, 3)  # 1 running, 2 waiting
+        origin = await rig.start(nursery, autojump_clock)  # passes at +0, +1, ...; probe ticks at +0, +5
+        await trio.sleep_until(origin + 3.5)
+        batch = rig.latest()
+        assert (batch.ready, batch.ready_reason, batch.load, batch.revision) == (None, "NoMetricsSource", None, None)
+        assert batch.probes == {"performance.num_requests_waiting": 2.0}
+        # published by the pass at +3; the value was produced by the tick at +0
+        assert batch.probe_age_s == {"performance.num_requests_waiting": 3.0}
+        assert batch.order.batch_sequence == 4  # one per pass: +0 .. +3
+        status = rig.operator.status()["providers"][0]
+        assert (status["ready"], status["reason"]) == (None, "NoMetricsSource")
+        assert status["metadata"] == {"performance.num_requests_waiting": 2.0}
+        assert status["metadata_age_s"] == {"performance.num_requests_waiting": 3.5}
+        rig.sim.set_knobs(metrics_hang=True)  # the tick at +5 fails: the value is kept, and ages
+        await trio.sleep_until(origin + 12.5)
+        assert rig.latest().probes == {"performance.num_requests_waiting": 2.0}
+        assert rig.latest().probe_age_s == {"performance.num_requests_waiting": 12.0}
+        # its last probe disabled: no longer published (nothing current to relay)
+        await rig.reload(autojump_clock, text.replace("enabled: true", "enabled: false"))
+        assert rig.operator.holdings.get("a", "llama") is None
+        nursery.cancel_scope.cancel()
+
+
+def test_the_default_prefix_surfaces_as_probe_name():
+    assert metadata_key("attributes.probe", "x") == "probe.x"  # spec 004, Prefixes
+    assert metadata_key("attributes", "x") == "x"
+    assert metadata_key("performance", "x") == "performance.x"
+    assert metadata_key("attributesx", "x") == "attributesx.x"
+    assert metadata_key("", "x") == "x"

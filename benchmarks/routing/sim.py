@@ -86,6 +86,7 @@ class Cell:
     events: tuple[Event, ...] = ()
     bursts: tuple[tuple[float, float, float], ...] = ()  # (start, end, factor) on the arrival rate
     client_sites: tuple[str, ...] = ()  # sites whose gateways take client traffic (default: all)
+    probe_s: float = 0.0  # > 0: each site's probe publishes performance.* every probe_s (spec 004)
     seed: int = 1
 
 
@@ -511,6 +512,11 @@ class World:
                                 lambda now, s=s, p=p: self._peer_poll(now, s, p))
         for g in range(len(self.gateway_site)):
             self._every(cell.poll_s, rng.uniform(0, cell.poll_s), lambda now, g=g: self._gateway_poll(now, g))
+        if cell.probe_s > 0:
+            # Its own phases (a separate generator: cells without probes keep their phases).
+            probe_rng = random.Random(cell.seed + 11)
+            for s in self.sites:
+                self._every(cell.probe_s, probe_rng.uniform(0, cell.probe_s), lambda now, s=s: self._probe(now, s))
         for ev in cell.events:
             self._at(ev.at, lambda now, ev=ev: self._apply(now, ev), prio=0)
         self.arrivals = make_arrivals(cell, len(self.gateway_site), self.client_gateways)
@@ -535,6 +541,17 @@ class World:
                               stale_after_s=10.0, unavailable=False)
         self.local[site.index] = (batch, now)
         self.held[site.index][site.index] = (batch, now)
+
+    def _probe(self, now: float, site: Site) -> None:
+        """Spec 004 Example 1's probe with ``aggregate: {method: latest}``: the site's waiting
+        requests and mean KV use, into its publisher's metadata (``prefix: performance``)
+        as the probe runner's metadata sink does; every later batch carries them."""
+        pub = self.publishers[site.index]
+        units = site.active
+        kv = sum(min(1.0, u.kv_used / site.kv_capacity) for u in units) / len(units) if units else 0.0
+        pub.probes.update({"performance.num_requests_waiting": float(sum(len(u.waiting) for u in units)),
+                           "performance.kv_cache_usage_perc": kv})
+        pub.probes_at.update(dict.fromkeys(pub.probes, now))
 
     def _peer_poll(self, now: float, operator: Site, peer: Site) -> None:
         if peer.index in self.silent:

@@ -378,4 +378,7 @@ def validate_payload(batch: Batch) -> str | None:
             return "probe metadata with an empty name"
         if not math.isfinite(value):
             return f"probe {name!r}={value!r} is not finite"
+    for name, age in batch.probe_age_s.items():
+        if not (math.isfinite(age) and age >= 0):
+            return f"probe {name!r} age {age!r} is not a finite age >= 0"
     return None

@@ -33,7 +33,8 @@ class Unavailable(msgspec.Struct, frozen=True):
     """No site can serve the model now: 503 with Retry-After.
 
     cause: ``excluded`` (every candidate excluded: not ready, zero endpoints, no route),
-    ``silent`` (every candidate went silent: no reading for 2 x the signal TTL), or
+    ``silent`` (every candidate went silent: no reading for 2 x the signal TTL),
+    ``strategy`` (every healthy candidate is over a bound of the model's strategy), or
     ``no_operator_data`` (the gateway has no routing data from its operator: no poll has
     succeeded, or none within the signal TTL; it cannot tell which models exist).
     """

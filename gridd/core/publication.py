@@ -18,7 +18,7 @@ import msgspec
 from gridd.core.admission import validate_payload
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
-from gridd.core.readiness import ReadinessTracker, Verdict
+from gridd.core.readiness import ReadinessTracker, Verdict, probe_only_verdict
 from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
 from gridd.core.signals import WANTED_SAMPLES, derive, kind_mismatch, sample_count
 from gridd.wire import Batch
@@ -69,8 +69,12 @@ class ProviderPublisher:
         latency_window_s: float = 30.0,
         latency_min_completed: int = 20,
         engine_answer_window_s: float = 30.0,
+        metrics_source: bool = True,
     ) -> None:
         self.site = site
+        self.metrics_source = metrics_source
+        """False for a provider with no ``metrics`` block: never scraped, published by
+        :meth:`on_probe_only` (spec 004 Example 1)."""
         self.provider = provider
         self.model = model
         self.provider_uid = provider_uid
@@ -92,6 +96,9 @@ class ProviderPublisher:
         self.last_latency: LatencyBlock | None = None
         self.last_verdict: Verdict | None = None
         self.probes: dict[str, float] = {}
+        # When (monotonic) each probes value was produced by its probe's tick; batches carry
+        # the difference as probe_age_s, so receivers can tell a value older than the TTL.
+        self.probes_at: dict[str, float] = {}
         self._last_published_ms = 0
         # Whether the latest successful scrape left out a different set of fields than the
         # one before (summary.invalid_fields): the operator logs it.
@@ -111,7 +118,8 @@ class ProviderPublisher:
             self.latency = self._latency_window(latency_window_s, latency_min_completed)
 
     def reconfigure(self, *, model: str, provider_uid: str, generation: int, pool: str | None,
-                    queue_full_at: float | None, kind: str = "auto", adapters: tuple[str, ...] = ()) -> None:
+                    queue_full_at: float | None, kind: str = "auto", adapters: tuple[str, ...] = (),
+                    metrics_source: bool = True) -> None:
         """A committed reload. A new uid (delete + re-create) restarts the latency window and
         readiness history with the object; a new generation keeps them (same provider),
         unless what the window reads changed (model, adapters, kind)."""
@@ -119,6 +127,7 @@ class ProviderPublisher:
                            or (model, kind, adapters) != (self.model, self.kind, self.adapters))
         self.model, self.provider_uid, self.generation = model, provider_uid, generation
         self.pool, self.queue_full_at, self.kind, self.adapters = pool, queue_full_at, kind, adapters
+        self.metrics_source = metrics_source
         if restart_latency:
             self.latency = self._latency_window(self.latency.window_s, self.latency.min_completed)
 
@@ -175,20 +184,7 @@ class ProviderPublisher:
         # version order every batch by (publisher_epoch, batch_sequence) instead, which a
         # restart under a clock set back cannot lower: every batch takes the next sequence
         # number, and the one without a revision carries it as its order.
-        published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
-        self._last_published_ms = published_ms
-        sequence = self._next_sequence()
-        batch = Batch(
-            site=self.site,
-            provider=self.provider,
-            model=self.model,
-            published_ms=published_ms,
-            age_s=0.0,
-            ready=verdict.ready,
-            ready_reason=verdict.reason,
-            probes=dict(self.probes),
-            order=BatchOrder(self.publisher_epoch, sequence),
-        )
+        batch, sequence = self._unrevised_batch(now, wall_now, verdict)
         if load is None:
             return batch
         revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence, sample_count(load))
@@ -206,6 +202,34 @@ class ProviderPublisher:
         self.last_load, self.last_latency = load, latency
         return full
 
+    def _unrevised_batch(self, now: float, wall_now: float, verdict: Verdict) -> tuple[Batch, int]:
+        """The verdict and the probe metadata, in the next sequence number of the epoch, as
+        ``order`` (the caller adds the revision and load of a qualified scrape)."""
+        published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
+        self._last_published_ms = published_ms
+        sequence = self._next_sequence()
+        batch = Batch(
+            site=self.site,
+            provider=self.provider,
+            model=self.model,
+            published_ms=published_ms,
+            age_s=0.0,
+            ready=verdict.ready,
+            ready_reason=verdict.reason,
+            probes=dict(self.probes),
+            order=BatchOrder(self.publisher_epoch, sequence),
+            probe_age_s={key: round(max(0.0, now - self.probes_at.get(key, now)), 3) for key in self.probes},
+        )
+        return batch, sequence
+
+    def on_probe_only(self, *, now: float, wall_now: float, unavailable: bool) -> Batch:
+        """One publication of a provider with no ``metrics`` block, every scrape interval
+        (spec 004 Example 1): readiness unknown (NoMetricsSource), no load, its probe
+        metadata. Without load it is never learned from; gateways route it as a candidate
+        with no load signal, or rank it on its probe values under a strategy."""
+        verdict = self.last_verdict = probe_only_verdict(unavailable=unavailable)
+        return self._unrevised_batch(now, wall_now, verdict)[0]
+
     def _count_unpublishable(self, reason: str) -> None:
         counts = self.summary.unpublishable
         counts[reason] = counts.get(reason, 0) + 1
@@ -221,4 +245,6 @@ class ProviderPublisher:
 
     def current_verdict(self, now: float, *, stale_after_s: float, unavailable: bool) -> Verdict:
         """The verdict now, between scrapes (staleness moves with time)."""
+        if not self.metrics_source:
+            return probe_only_verdict(unavailable=unavailable)
         return self.readiness.verdict(now, stale_after_s=stale_after_s, unavailable=unavailable)

@@ -103,6 +103,15 @@ def effective_stale_after_s(stale_metrics_s: float, interval_s: float, last_pass
     return max(stale_metrics_s, readiness_floor_s(interval_s, last_pass_s))
 
 
+def probe_only_verdict(*, unavailable: bool) -> Verdict:
+    """The verdict of a provider with no ``metrics`` block (spec 004 Example 1): nothing is
+    scraped, so readiness is unknown; it is routed, least preferred, on its probes alone."""
+    if unavailable:
+        return Verdict(False, "Unavailable", None, "provider is administratively unavailable")
+    return Verdict(None, "NoMetricsSource", None,
+                   "no metrics block: readiness and load unknown; routed on its probe metadata")
+
+
 class ReadinessTracker:
     """Readiness state of one provider.
 

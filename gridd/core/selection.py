@@ -44,7 +44,7 @@ import msgspec
 
 from gridd.core.ordering import CandidateView, OrderedSnapshot, Tier
 
-Via = Literal["two_choices", "pair", "single", "not_full", "stale", "full"]
+Via = Literal["two_choices", "pair", "single", "not_full", "stale", "full", "strategy"]
 PickRule = Literal["two_choices", "spec_tiers"]
 PICK_RULES: tuple[PickRule, ...] = ("two_choices", "spec_tiers")
 

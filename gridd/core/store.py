@@ -5,7 +5,9 @@ ingest():   batches from the local operator pass admission (epoch/sequence fence
             and the per-model snapshots are rebuilt and swapped in whole.
 decide():   the request path: one snapshot read, one pick (raised by this gateway's own
             sends that the readings cannot show yet, gridd.core.pending), the shedding
-            state. It never reads raw signals or computes load.
+            state. It never reads raw signals or computes load. A model with a strategy
+            (gridd.core.strategy) is picked by it instead, among the same healthy
+            candidates, on the probe values of their current batches.
 
 A candidate's reading goes through four states as it ages (docs/routing.md, "The store"):
 fresh (within the signal TTL), stale (sorts last, used only when no fresh healthy site is
@@ -39,6 +41,7 @@ from gridd.core.pending import DEFAULT_PENDING_WEIGHT, RecentSends
 from gridd.core.readings import LoadSignals
 from gridd.core.selection import ExtraRho, Full, NoCandidates, NoneHealthy, PickRule, Route, pick
 from gridd.core.shedding import ShedState
+from gridd.core.strategy import AllDropped, StrategyTable, Values, fresh_values, strategy_pick
 from gridd.wire import Batch, ServingConfig
 
 LOCAL_RECHECK_S = 2.0
@@ -69,6 +72,8 @@ class RoutingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     shedding: bool = False
     full_after_s: float = 2.0
     room_after_s: float = 5.0
+    strategies: StrategyTable = StrategyTable()
+    """Per model, the strategy that filters and ranks on probe metadata (none by default)."""
 
     def learner_args(self) -> dict[str, float]:
         return {"floor": self.capacity_floor, "alpha": self.rho_smoothing,
@@ -308,8 +313,17 @@ class GatewayStore:
         # header comes from clients as well, and must not be a way around a 429.
         if self.knobs.shedding and snapshot.ordered and shed is not None and shed.shedding(now):
             return Shed(shed.retry_after_s(now))
-        outcome = pick(snapshot, rng, rule=self.knobs.pick_rule,
-                       extra_rho=self.pending_rho(now) if self.knobs.pending_weight > 0 else None)
+        extra_rho = self.pending_rho(now) if self.knobs.pending_weight > 0 else None
+        strategy = self.knobs.strategies.for_model(model)
+        if strategy is None:
+            outcome = pick(snapshot, rng, rule=self.knobs.pick_rule, extra_rho=extra_rho)
+        else:
+            # After the grid's rules (exclusion is in the snapshot, shedding above): the
+            # strategy filters and ranks only the healthy candidates (gridd/core/strategy.py).
+            outcome = strategy_pick(snapshot, rng, strategy, self.probe_values(now),
+                                    rule=self.knobs.strategies.pick_rule, extra_rho=extra_rho)
+            if isinstance(outcome, AllDropped):
+                return Unavailable(outcome.retry_after_s, cause="strategy")
         if isinstance(outcome, Full):
             outcome = outcome.route  # shedding off, or not yet full for full_after_ms: route
         if isinstance(outcome, Route):
@@ -349,6 +363,19 @@ class GatewayStore:
             return Forward(route.site, route.provider, route.model, local=local)
         ingress = next(i.url for i in self.serving.ingresses if i.site == route.site)
         return Forward(route.site, route.provider, route.model, ingress_url=ingress)
+
+    def probe_values(self, now: float) -> Values:
+        """Each candidate's probe values fresh at ``now``, read from its latest batch at the
+        pick (no cache); a value older than the signal TTL is missing (what strategies and
+        explain use)."""
+        ttl, candidates = self.signal_ttl_s, self.candidates
+
+        def values(view: CandidateView) -> dict[str, float]:
+            cand = candidates.get((view.site, view.provider))
+            if cand is None or cand.batch is None:
+                return {}
+            return fresh_values(cand.batch.probes, cand.batch.probe_age_s, cand.age_s(now), ttl)
+        return values
 
     def has_routing_data(self, now: float) -> bool:
         """Holding a snapshot built from a poll within the signal TTL (GET /readyz, and

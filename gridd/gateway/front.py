@@ -417,6 +417,8 @@ class FrontApp:
             return self.router.not_ready_reason() or "no routing data from the operator"
         if cause == "silent":
             return f"no site serving {model!r} has reported load recently; retry later"
+        if cause == "strategy":
+            return f"every site serving {model!r} is over a bound of its routing strategy; retry later"
         return f"the model {model!r} exists but no site can serve it now"
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange,

@@ -31,6 +31,7 @@ from gridd.core.decisions import Decision
 from gridd.core.explain import explain_model
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
 from gridd.gateway.forward import SwappableTransport, make_upstream_transport
@@ -94,8 +95,20 @@ def store_knobs(cfg: Config) -> RoutingKnobs:
         unit_capacity=r.unit_capacity, evidence_window_s=r.evidence_window_s, pick_rule=r.pick_rule,
         pending_weight=r.pending_weight, candidate_retention_s=r.candidate_retention_s,
         shedding=shedding.enabled, full_after_s=shedding.full_after_ms / 1000,
-        room_after_s=shedding.room_after_ms / 1000,
+        room_after_s=shedding.room_after_ms / 1000, strategies=strategy_table(cfg),
     )
+
+
+def strategy_table(cfg: Config) -> StrategyTable:
+    """``strategies`` with ``routing.strategy`` / ``routing.model_strategies`` (names checked
+    by the config loader)."""
+    by_name = {s.name: Strategy.of(s.name, s.provider_selector,
+                                   [(k.provider_attribute, k.descending) for k in s.sort])
+               for s in cfg.strategies}
+    r = cfg.routing
+    return StrategyTable(default=by_name.get(r.strategy) if r.strategy else None,
+                         by_model={model: by_name[name] for model, name in r.model_strategies.items()},
+                         pick_rule=r.strategy_pick_rule)
 
 
 class StoreRouter:
@@ -423,6 +436,11 @@ class GatewayService:
                 # A reading past the TTL says nothing about now: no rho is shown for it.
                 "rho": cand.learner.recent_worst_rho(now) if state.signal == "fresh" else None,
                 "capacity": cand.learner.capacity(now),
+                # Probe metadata as relayed (spec 004), with each value's age; a strategy
+                # reads a value older than the signal TTL as missing.
+                "metadata": dict(b.probes) if b else {},
+                "metadata_age_s": {k: round(state.age_s + b.probe_age_s.get(k, 0.0), 3)
+                                   for k in b.probes} if b else {},
             })
         return {
             # Serving but unable to route: status says "degraded" with this reason.
@@ -433,6 +451,9 @@ class GatewayService:
             "front": self.front_urls,
             "serving": self._serving,
             "models": store.models(),
+            # The strategy each model routes by (docs/strategies.md); absent: none.
+            "strategies": {m: st.name for m in store.models()
+                           if (st := store.knobs.strategies.for_model(m)) is not None},
             "shedding": sorted(m for m, s in store.shed.items() if store.shedding_enabled and s.shedding(now)),
             "candidates": candidates,
             "ingest_drops": store.fences.drops(),

@@ -74,6 +74,13 @@ def check_operator_config(loaded: LoadedConfig) -> None:
     check_api_exposure(loaded.config)
 
 
+def probe_only(provider: ProviderConfig) -> bool:
+    """An enabled provider with no ``metrics`` block and at least one enabled probe: published
+    every scrape interval from its probes alone (spec 004 Example 1)."""
+    return (provider.enabled and provider.metrics is None
+            and any(probe.enabled for probe in provider.settings.probes))
+
+
 def scrape_target(provider: ProviderConfig) -> ScrapeTarget | None:
     source = provider.metrics
     if source is None or not provider.enabled:
@@ -226,7 +233,8 @@ class OperatorService:
             await clients.enter_async_context(client)
             await clients.enter_async_context(probe_client)
             self.pool = ScrapePool(client, concurrency=timings.scrape_concurrency,
-                                   body_cap=timings.body_cap_bytes, on_result=self._on_scrape)
+                                   body_cap=timings.body_cap_bytes, on_result=self._on_scrape,
+                                   on_pass=self._publish_probe_only)
             await nursery.start(self.pool.run, lambda: self.config.timings.scrape_interval_s,
                                 self._targets, name="scrape-pool")
             await nursery.start(self.probes.run, probe_client, self.config.providers, name="probe-runner")
@@ -403,6 +411,21 @@ class OperatorService:
                 log.info("provider %s: every field of the reading is valid again", result.provider)
         self.holdings.hold(batch, result.finished_at)
 
+    def _publish_probe_only(self, started: float, duration: float) -> None:
+        """After each scrape pass (so every scrape interval): one batch per probe-only
+        provider, carrying its probe metadata (spec 004 Example 1: such a provider is
+        listed and routable; without this nothing would ever publish it)."""
+        if self._draining:
+            return
+        now = trio.current_time()
+        for provider in self.config.providers:
+            publisher = self.publishers.get(provider.name)
+            if publisher is None or not probe_only(provider):
+                continue
+            batch = publisher.on_probe_only(now=now, wall_now=self.wall(), unavailable=provider.unavailable)
+            self._log_transitions(publisher, now)
+            self.holdings.hold(batch, now)
+
     def _log_transitions(self, publisher: ProviderPublisher, now: float) -> None:
         """Scrape failing/recovered (with the failure class) and ready/not-ready (with the
         reason): one line per change, never one per scrape."""
@@ -436,8 +459,8 @@ class OperatorService:
             # Removed from the config: gateways are told, and answer 404 within one poll.
             self.holdings.remove(cfg.site, name, now)
         for provider in cfg.providers:
-            if scrape_target(provider) is None:
-                # Disabled (or nothing to scrape): nothing current to publish or relay.
+            if scrape_target(provider) is None and not probe_only(provider):
+                # Disabled (or nothing to scrape, no probe): nothing current to publish or relay.
                 self.holdings.forget(cfg.site, provider.name)
         t = cfg.timings
         for provider in cfg.providers:
@@ -455,10 +478,12 @@ class OperatorService:
                     next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, kind=kind,
                     adapters=adapters, latency_window_s=t.latency_window_s,
                     latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
+                    metrics_source=source is not None,
                 )
             else:
                 existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
-                                     pool=pool, queue_full_at=queue_full_at, kind=kind, adapters=adapters)
+                                     pool=pool, queue_full_at=queue_full_at, kind=kind, adapters=adapters,
+                                     metrics_source=source is not None)
                 existing.retune(latency_window_s=t.latency_window_s, latency_min_completed=t.latency_min_completed,
                                 engine_answer_window_s=t.engine_answer_window_s)
 
@@ -560,6 +585,10 @@ class OperatorService:
                 "generation": pub.generation,
                 "batch_sequence": pub.sequence,
                 "probes": self.probes.status(provider, now),
+                # What the metadata sinks publish, as gateways receive it (spec 004: there is
+                # no other read path but the file sink).
+                "metadata": dict(pub.probes),
+                "metadata_age_s": {k: round(now - at, 3) for k, at in pub.probes_at.items()},
             })
         return {
             "publisher_epoch": self.publisher_epoch,

@@ -247,13 +247,17 @@ class ProbeRunner:
         if publisher is None:
             return
         merged: dict[str, float] = {}
+        produced_at: dict[str, float] = {}
         for (owner, _), task in self.tasks.items():
             if owner == provider:
                 for sink in task.sinks:
-                    if isinstance(sink, MetadataSink):
+                    if isinstance(sink, MetadataSink) and sink.published_at is not None:
                         merged.update(sink.values)
+                        produced_at.update(dict.fromkeys(sink.values, sink.published_at))
         publisher.probes.clear()
         publisher.probes.update(merged)
+        publisher.probes_at.clear()
+        publisher.probes_at.update(produced_at)
 
     def _sinks(self, spec: ProbeSpec) -> list[MetadataSink | FileSink]:
         sinks: list[MetadataSink | FileSink] = []
@@ -330,7 +334,7 @@ class ProbeRunner:
         for index, sink in enumerate(task.sinks):
             try:
                 if isinstance(sink, MetadataSink):
-                    sink.publish(observation.aggregates)
+                    sink.publish(observation.aggregates, now)
                 else:
                     await sink.publish(observation.aggregates)
             except SINK_ERRORS as exc:

@@ -45,7 +45,19 @@ RunIO = Callable[..., Awaitable[Any]]
 SINK_ERRORS = (OSError, StateError)
 
 
+ATTRIBUTES_NAMESPACE = "attributes"
+"""Spec 004: ``prefix: attributes.probe`` (the default) is generic live metadata that
+"surfaces as ``probe.<name>`` in ``metadata.to_dict()``": the seed's metadata flattens its
+``attributes`` map into the top level. gridd stores the key as it surfaces."""
+
+
 def metadata_key(prefix: str, name: str) -> str:
+    """The key a value surfaces under: ``<prefix>.<name>``, a leading ``attributes.`` segment
+    dropped (``attributes.probe`` -> ``probe.<name>``, ``attributes`` -> ``<name>``)."""
+    if prefix == ATTRIBUTES_NAMESPACE:
+        prefix = ""
+    elif prefix.startswith(ATTRIBUTES_NAMESPACE + "."):
+        prefix = prefix[len(ATTRIBUTES_NAMESPACE) + 1:]
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -61,20 +73,24 @@ class MetadataSink:
         self.prefix = prefix
         self._changed = changed
         self.values: dict[str, float] = {}
+        self.published_at: float | None = None
+        """When (monotonic) the values were produced: the age receivers read them at."""
         self.closed = False
 
-    def publish(self, aggregates: dict[str, float]) -> None:
+    def publish(self, aggregates: dict[str, float], at: float) -> None:
         """This tick's aggregates replace the last tick's: a series the tick no longer has
-        leaves the metadata with it."""
+        leaves the metadata with it. ``at``: the tick's time."""
         if self.closed:
             return
         self.values = {metadata_key(self.prefix, name): value for name, value in aggregates.items()}
+        self.published_at = at
         self._changed(self.provider)
 
     def close(self) -> None:
         """The probe stopped; the runner merges again without these values."""
         self.closed = True
         self.values = {}
+        self.published_at = None
 
 
 def _open_regular(path: pathlib.Path, flags: int) -> int:
