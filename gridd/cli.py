@@ -494,6 +494,8 @@ def format_explain(e: dict[str, Any]) -> str:
         f"signal TTL {e['signal_ttl_s']:g} s)",
         f"a request   {_explain_outcome(e)}",
         f"shedding    {_explain_shedding(e['shedding'])}",
+        *([f"strategy    {e['strategy']}: filters and ranks the healthy candidates (reasons below)"]
+          if e.get("strategy") else []),
     ]
     rows = []
     for c in e["candidates"]:

@@ -171,3 +171,24 @@ def test_a_model_map_overrides_the_default():
     table = StrategyTable(None, {"m": other})
     assert table.for_model("m") is other and table.for_model("x") is None
     assert StrategyTable(PERF, {"m": other}).for_model("x") is PERF
+
+
+def test_explain_shows_the_strategys_filter_rank_and_the_503_decide_gives():
+    from gridd.core.explain import explain_model
+
+    s, feed = strategy_store(), Feed()
+    s.ingest([with_probes(feed.batch("a"), {WAITING: 7.0}), with_probes(feed.batch("b"), {WAITING: 1.0}),
+              with_probes(feed.batch("c"), {WAITING: 2.0})], now=0.0, now_wall=WALL)
+    e = explain_model(s, "m", now=0.0)
+    assert e.strategy == PERF.name and e.outcome.kind == "forward"
+    by_site = {c.site: c for c in e.candidates}
+    assert by_site["a"].strategy.verdict == "dropped" and by_site["a"].chance == 0.0
+    assert "strategy: dropped" in by_site["a"].reason
+    assert (by_site["b"].strategy.position, by_site["c"].strategy.position) == (1, 2)
+    # The chances are the ones decide() draws by: two choices always draws both kept, b wins.
+    assert (by_site["b"].chance, by_site["c"].chance) == (1.0, 0.0) and set(picks(s, 0.0)) == {"b"}
+    s.ingest([with_probes(feed.batch(x), {WAITING: 9.0}) for x in "abc"], now=1.0, now_wall=WALL)
+    e = explain_model(s, "m", now=1.0)
+    assert s.decide("m", now=1.0, rng=random.Random(1)) == Unavailable(5.0, cause="strategy")
+    assert (e.outcome.kind, e.outcome.status, e.outcome.cause, e.outcome.retry_after_s) == (
+        "unavailable", 503, "strategy", 5.0)

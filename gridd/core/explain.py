@@ -36,6 +36,7 @@ from gridd.core.capacity import SOFT_PROBE, backlogged, queue_depth
 from gridd.core.ordering import CandidateView, OrderedSnapshot
 from gridd.core.selection import pick_chances
 from gridd.core.store import NO_OPERATOR_DATA_RETRY_AFTER_S, Candidate, GatewayStore
+from gridd.core.strategy import STRATEGY_RECHECK_S, CandidateRank, explain_strategy
 
 TIERS = ("room", "not_full", "full", "stale")
 """A healthy candidate's preference tier (docs/routing.md, "Ordering and selection"):
@@ -87,6 +88,8 @@ class CandidateExplain(msgspec.Struct, frozen=True):
     pending_sends: this gateway's sends to it made after its reading was taken;
         pending_rho: the rho they add to a pick's comparison.
     chance: the probability that the next request's pick takes it.
+    strategy: under a strategy, its filter and rank of this candidate (kept with its
+        position and sort-key values, dropped with the bound, or excluded by the grid).
     reason: one human line: why it stands where it does.
     """
 
@@ -114,6 +117,7 @@ class CandidateExplain(msgspec.Struct, frozen=True):
     pending_rho: float
     chance: float
     reason: str
+    strategy: CandidateRank | None = None
 
 
 class ShedExplain(msgspec.Struct, frozen=True):
@@ -164,6 +168,7 @@ class ModelExplain(msgspec.Struct, frozen=True):
     shedding: ShedExplain
     candidates: list[CandidateExplain]
     known_models: list[str]
+    strategy: str | None = None
 
 
 def capacity_evidence(store: GatewayStore, cand: Candidate, now: float) -> CapacityEvidence:
@@ -226,7 +231,8 @@ def _standing(c: CandidateExplain) -> str:
 
 
 def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None, now: float,
-               chances: dict[tuple[str, str], float]) -> CandidateExplain:
+               chances: dict[tuple[str, str], float],
+               ranks: dict[tuple[str, str], CandidateRank]) -> CandidateExplain:
     state = store.candidate_state(cand, now)
     batch, learner, key = cand.batch, cand.learner, (cand.site, cand.provider)
     load = batch.load if batch is not None else None
@@ -249,6 +255,7 @@ def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None,
         backlogged=backlogged(load) if load is not None else None,
         queue_depth=queue_depth(load) if load is not None else None,
         pending_sends=pending, pending_rho=pending_rho, chance=chances.get(key, 0.0), reason="",
+        strategy=ranks.get(key),
     )
     age = f"reading {state.age_s:.1f} s old"
     if explained.arrived_age_s is not None:
@@ -256,6 +263,11 @@ def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None,
     parts = [_standing(explained), _capacity_reason(evidence), age]
     if pending:
         parts.append(f"{pending} send(s) since its reading add rho {pending_rho:.2f}")
+    rank = ranks.get(key)
+    if rank is not None and rank.verdict == "kept":
+        parts.append(f"strategy: kept, rank {rank.position}")
+    elif rank is not None and rank.verdict == "dropped":
+        parts.append(f"strategy: dropped ({rank.reason})")
     return msgspec.structs.replace(explained, reason="; ".join(parts))
 
 
@@ -291,14 +303,24 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
     knobs = store.knobs
     snapshot = store.snapshots.get(model)
     chances: dict[tuple[str, str], float] = {}
+    ranks: dict[tuple[str, str], CandidateRank] = {}
+    strategy = knobs.strategies.for_model(model)
+    all_dropped = False
     views: dict[tuple[str, str], CandidateView] = {}
     order: dict[tuple[str, str], int] = {}
     if snapshot is not None:
         for i, view in enumerate((*snapshot.ordered, *snapshot.excluded)):
             views[(view.site, view.provider)] = view
             order[(view.site, view.provider)] = i
-        chances = pick_chances(snapshot, rule=knobs.pick_rule,
-                               extra_rho=store.pending_rho(now) if knobs.pending_weight > 0 else None)
+        extra_rho = store.pending_rho(now) if knobs.pending_weight > 0 else None
+        if strategy is None:
+            chances = pick_chances(snapshot, rule=knobs.pick_rule, extra_rho=extra_rho)
+        else:
+            # The same filter and rank decide() applies (gridd/core/strategy.py).
+            ranks = {(r.site, r.provider): r for r in explain_strategy(
+                snapshot, strategy, store.probe_values(now), rule=knobs.strategies.pick_rule, extra_rho=extra_rho)}
+            chances = {key: r.chance for key, r in ranks.items() if r.chance > 0}
+            all_dropped = bool(snapshot.ordered) and not any(r.verdict == "kept" for r in ranks.values())
     shed = store.shed.get(model) if knobs.shedding else None  # consulted only when enabled
     shedding_now = shed is not None and shed.shedding(now)
     run, since = None, None
@@ -312,6 +334,9 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
                            else None,
                            run_for_s=None if since is None else round(now - since, 3))
     outcome = _outcome(store, model, snapshot, now, chances, shedding_now)
+    if all_dropped and outcome.kind in ("unavailable", "unknown_model") and outcome.cause != "no_operator_data":
+        outcome = RequestOutcome("unavailable", 503, "strategy", STRATEGY_RECHECK_S,
+                                 f"every healthy candidate is over strategy {strategy.name!r}'s bounds")
     if outcome.kind != "forward":
         chances = {}  # a request answered 429/503/404 is not picked
     members = sorted((c for c in store.candidates.values() if c.model == model),
@@ -319,6 +344,6 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
     return ModelExplain(
         model=model, pick_rule=knobs.pick_rule, pending_weight=knobs.pending_weight,
         signal_ttl_s=knobs.signal_ttl_s, outcome=outcome, shedding=shedding,
-        candidates=[_candidate(store, c, views.get((c.site, c.provider)), now, chances) for c in members],
-        known_models=store.models(),
+        candidates=[_candidate(store, c, views.get((c.site, c.provider)), now, chances, ranks) for c in members],
+        known_models=store.models(), strategy=strategy.name if strategy is not None else None,
     )

@@ -84,7 +84,7 @@ def _route(view: CandidateView, via: Via) -> Route:
     return Route(view.site, view.provider, view.model, view.local, via)
 
 
-def _draw_two(tier: Tier, rng: random.Random) -> tuple[CandidateView, CandidateView]:
+def draw_two(tier: Tier, rng: random.Random) -> tuple[CandidateView, CandidateView]:
     """Two distinct candidates, each draw proportional to capacity among those not drawn yet.
 
     First draw: u uniform on [0, total), candidate i where cum[i-1] <= u < cum[i]. Second
@@ -125,17 +125,17 @@ def _less_backlogged(first: CandidateView, second: CandidateView) -> CandidateVi
 def _by_capacity(tier: Tier, rng: random.Random) -> CandidateView:
     if len(tier) == 1:
         return tier.candidates[0]
-    return _less_backlogged(*_draw_two(tier, rng))
+    return _less_backlogged(*draw_two(tier, rng))
 
 
 ExtraRho = Callable[[CandidateView], float]
 
 
-def _no_extra(view: CandidateView) -> float:
+def no_extra(view: CandidateView) -> float:
     return 0.0
 
 
-def _rank(view: CandidateView, extra_rho: ExtraRho) -> tuple[int, float]:
+def pick_rank(view: CandidateView, extra_rho: ExtraRho) -> tuple[int, float]:
     """(preference tier, the rho the candidate would read with this request): room 0, not
     full 1, full 2; then rho + pending + 1 / capacity. Comparing the load *after* the pick
     is what tells a one-unit site at half load (one more request and it is at 3/4) from a
@@ -154,7 +154,7 @@ def pick(snapshot: OrderedSnapshot, rng: random.Random, *, rule: PickRule = "two
     gateway sent that its latest reading cannot show yet); None adds nothing."""
     if snapshot.fresh:
         if rule == "two_choices":
-            return _two_choices(snapshot, rng, extra_rho or _no_extra)
+            return _two_choices(snapshot, rng, extra_rho or no_extra)
         return _spec_tiers(snapshot, rng)
     if snapshot.stale:
         return _route(_draw_one(snapshot.stale, rng), "stale")
@@ -168,8 +168,8 @@ def _two_choices(snapshot: OrderedSnapshot, rng: random.Random, extra_rho: Extra
     if len(fresh) == 1:
         chosen = fresh.candidates[0]
     else:
-        first, second = _draw_two(fresh, rng)
-        chosen = second if _rank(second, extra_rho) < _rank(first, extra_rho) else first
+        first, second = draw_two(fresh, rng)
+        chosen = second if pick_rank(second, extra_rho) < pick_rank(first, extra_rho) else first
     if not chosen.full:
         return _route(chosen, "two_choices")
     if snapshot.all_full:
@@ -184,7 +184,7 @@ def _spec_tiers(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
     room = snapshot.room
     n = len(room)
     if n >= 3:
-        first, second = _draw_two(room, rng)
+        first, second = draw_two(room, rng)
         return _route(second if second.rho < first.rho else first, "two_choices")
     if n == 2:
         return _route(room.candidates[0] if rng.random() < snapshot.pair_first_p else room.candidates[1], "pair")
@@ -199,7 +199,7 @@ def _spec_tiers(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
 # -- explain: the exact chance of each pick (gridctl explain) -----------------------------------
 
 
-def _pair_chances(tier: Tier, winner: Callable[[CandidateView, CandidateView], CandidateView]) -> dict[int, float]:
+def pair_chances(tier: Tier, winner: Callable[[CandidateView, CandidateView], CandidateView]) -> dict[int, float]:
     """P(each candidate is taken) when two are drawn by capacity and ``winner`` decides:
     P(first = i, second = j) = (c_i / T) x (c_j / (T - c_i)), summed over ordered pairs."""
     chances: dict[int, float] = {}
@@ -223,7 +223,7 @@ def _tier_chances(tier: Tier, winner: Callable[[CandidateView, CandidateView], C
     if len(tier) == 1:
         return {(tier.candidates[0].site, tier.candidates[0].provider): scale}
     return {(tier.candidates[k].site, tier.candidates[k].provider): scale * p
-            for k, p in _pair_chances(tier, winner).items()}
+            for k, p in pair_chances(tier, winner).items()}
 
 
 def pick_chances(snapshot: OrderedSnapshot, *, rule: PickRule = "two_choices",
@@ -231,7 +231,7 @@ def pick_chances(snapshot: OrderedSnapshot, *, rule: PickRule = "two_choices",
     """The exact probability that :func:`pick` takes each (site, provider) on this snapshot
     (with the same pending load): what ``gridctl explain`` shows. Empty when no candidate
     can be picked (503/404). Sums to 1 otherwise."""
-    extra = extra_rho or _no_extra
+    extra = extra_rho or no_extra
     if snapshot.fresh:
         if rule == "spec_tiers":
             return _spec_tier_chances(snapshot)
@@ -240,7 +240,7 @@ def pick_chances(snapshot: OrderedSnapshot, *, rule: PickRule = "two_choices",
             return _tier_chances(fresh, lambda a, b: a)
         chances: dict[tuple[str, str], float] = {}
         redraw = 0.0
-        for k, p in _pair_chances(fresh, lambda a, b: b if _rank(b, extra) < _rank(a, extra) else a).items():
+        for k, p in pair_chances(fresh, lambda a, b: b if pick_rank(b, extra) < pick_rank(a, extra) else a).items():
             view = fresh.candidates[k]
             if view.full and not snapshot.all_full:
                 redraw += p  # both drawn were full: drawn again from the best tier not full

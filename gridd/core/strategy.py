@@ -48,9 +48,10 @@ from gridd.core.selection import (
     NoneHealthy,
     Outcome,
     Route,
-    _draw_two,
-    _pair_chances,
-    _rank,
+    draw_two,
+    no_extra,
+    pair_chances,
+    pick_rank,
 )
 
 StrategyPickRule = Literal["two_choices", "strict"]
@@ -189,14 +190,11 @@ def _rank_candidates(snapshot: OrderedSnapshot, strategy: Strategy, values: Valu
 
 def _winner(ranked: _Ranked, extra_rho: ExtraRho) -> Callable[[CandidateView, CandidateView], CandidateView]:
     def better(first: CandidateView, second: CandidateView) -> CandidateView:
-        a = (ranked.sort_keys[(first.site, first.provider)], _rank(first, extra_rho))
-        b = (ranked.sort_keys[(second.site, second.provider)], _rank(second, extra_rho))
+        a = (ranked.sort_keys[(first.site, first.provider)], pick_rank(first, extra_rho))
+        b = (ranked.sort_keys[(second.site, second.provider)], pick_rank(second, extra_rho))
         return second if b < a else first
     return better
 
-
-def _no_extra(view: CandidateView) -> float:
-    return 0.0
 
 
 def strategy_pick(snapshot: OrderedSnapshot, rng: random.Random, strategy: Strategy, values: Values, *,
@@ -215,7 +213,7 @@ def strategy_pick(snapshot: OrderedSnapshot, rng: random.Random, strategy: Strat
     if rule == "strict" or len(kept) == 1:
         chosen = kept[0]
     else:
-        chosen = _winner(ranked, extra_rho or _no_extra)(*_draw_two(Tier.of(kept), rng))
+        chosen = _winner(ranked, extra_rho or no_extra)(*draw_two(Tier.of(kept), rng))
     return Route(chosen.site, chosen.provider, chosen.model, chosen.local, "strategy")
 
 
@@ -233,7 +231,7 @@ def explain_strategy(snapshot: OrderedSnapshot, strategy: Strategy, values: Valu
         chances[(kept[0].site, kept[0].provider)] = 1.0
     elif kept:
         tier = Tier.of(kept)
-        for k, p in _pair_chances(tier, _winner(ranked, extra_rho or _no_extra)).items():
+        for k, p in pair_chances(tier, _winner(ranked, extra_rho or no_extra)).items():
             chances[(kept[k].site, kept[k].provider)] = p
     out = [CandidateRank(v.site, v.provider, "kept", keys=ranked.keys[(v.site, v.provider)], position=i + 1,
                          chance=chances.get((v.site, v.provider), 0.0)) for i, v in enumerate(kept)]
