@@ -108,8 +108,9 @@ class MemorySession:
 
 
 class MemoryLink:
-    def __init__(self, outbox, inbox, up: dict, server: PeerIdentity) -> None:
+    def __init__(self, outbox, inbox, up: dict, server: PeerIdentity, exchanges: list | None = None) -> None:
         self._out, self._in, self._up = outbox, inbox, up
+        self.exchanges = exchanges  # (time, request, replies) of every exchange, when given
         self.identity = server  # the verified identity of the operator answering
         self.connections_opened = 1
 
@@ -122,17 +123,20 @@ class MemoryLink:
             reply = wire.decode(await self._in.receive())
             replies.append(reply)
             if isinstance(reply, wire.Batches | wire.FeedbackAck | wire.Error):
+                if self.exchanges is not None:
+                    self.exchanges.append((trio.current_time(), msg, replies))
                 return replies
 
 
-def memory_link_factory(endpoint, identity: PeerIdentity, up: dict, server: PeerIdentity):
+def memory_link_factory(endpoint, identity: PeerIdentity, up: dict, server: PeerIdentity,
+                        exchanges: list | None = None):
     @asynccontextmanager
     async def open_link(*_args):
         c2s_send, c2s_recv = trio.open_memory_channel(math.inf)
         s2c_send, s2c_recv = trio.open_memory_channel(math.inf)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(endpoint.handle, MemorySession(identity, c2s_recv, s2c_send, identity.uri))
-            yield MemoryLink(c2s_send, s2c_recv, up, server)
+            yield MemoryLink(c2s_send, s2c_recv, up, server, exchanges)
             nursery.cancel_scope.cancel()
 
     return open_link
@@ -151,11 +155,12 @@ class Grid:
                 load_config(tmp_path / f"op-{site}.yaml", env={}), CollectorRegistry(), wall=wall, client=client,
                 rng=random.Random(1), open_peer_link=self._peer_link(site, other))
         (tmp_path / "gw-a.yaml").write_text(GATEWAY)
+        self.gateway_exchanges: list = []
         self.gateway = GatewayService(
             load_config(tmp_path / "gw-a.yaml", env={}), CollectorRegistry(), wall=wall, rng=random.Random(2),
             open_operator_link=memory_link_factory(self.operators["a"].endpoint,
                                                    PeerIdentity(TD, "a", "gateway", "g1"), self.up["a"],
-                                                   PeerIdentity(TD, "a", "operator")))
+                                                   PeerIdentity(TD, "a", "operator"), self.gateway_exchanges))
 
     def _peer_link(self, site: str, other: str):
         def open_link(peer):
@@ -233,6 +238,34 @@ async def test_remote_exclusion_waits_on_the_peer_poll(grid, autojump_clock):
     assert grid.excluded_sites() == ["b"]
     await trio.sleep_until(o + 25.6)
     assert grid.excluded_sites() == [] and "b" in grid.ordered_sites()
+
+
+async def test_gateway_polls_carry_cursors_so_only_changed_batches_are_sent(grid, autojump_clock):
+    # The gateway polls at +0.5, +1.5, ...; a's own batch changes every scrape (every
+    # second), b's only when operator a polls b (+5, +10, +15). With cursors b's batch
+    # travels once per peer poll and is named unchanged on the other polls.
+    o = grid.origin
+    await trio.sleep_until(o + 16.0)
+    polls = [(round(t - o, 2), request, replies[-1]) for t, request, replies in grid.gateway_exchanges
+             if isinstance(request, wire.Poll) and t > o + 6]
+    assert [t for t, _, _ in polls] == [6.5 + i for i in range(10)]
+    held = grid.gateway.store.fences
+    for t, request, answer in polls:
+        assert {(c.site, c.provider) for c in request.cursors} == {("a", "pool-a"), ("b", "pool-b")}
+        assert [(b.site, b.provider) for b in answer.batches if b.site == "a"] == [("a", "pool-a")]
+        b_sent = [b for b in answer.batches if b.site == "b"]
+        if t in (10.5, 15.5):
+            assert len(b_sent) == 1 and answer.unchanged == ()
+        else:
+            assert b_sent == [] and answer.unchanged == (wire.SourceKey("b", "pool-b"),)
+    # The unchanged batch is held as a repeat: age unchanged, its fence that of +15's batch,
+    # and nothing counted as dropped.
+    cand = grid.gateway.store.candidates[("b", "pool-b")]
+    assert held.cursors() and cand.received_at == o + 15.5
+    assert wire.ordering(cand.batch) == next((c.publisher_epoch, c.batch_sequence) for c in held.cursors()
+                                             if c.site == "b")
+    assert sum(held.drops().values()) == 0
+    assert sorted(grid.ordered_sites()) == ["a", "b"]
 
 
 async def test_every_candidate_excluded_is_503_not_404(grid, autojump_clock):

@@ -7,11 +7,11 @@ was held. Pure: ``now`` is passed in (monotonic seconds).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from gridd.wire import Batch, SourceKey, with_added_age
+from gridd.wire import Batch, Cursor, SourceKey, with_added_age
 
 
 class Held(msgspec.Struct, frozen=True):
@@ -80,6 +80,25 @@ class Holdings:
             for (s, _), h in self._latest.items()
             if site is None or s == site
         )
+
+    def relay_since(self, now: float, cursors: Iterable[Cursor], *,
+                    site: str | None = None) -> tuple[tuple[Batch, ...], tuple[SourceKey, ...]]:
+        """What a poll answer carries: ``relay`` less each batch the poller holds already
+        (its cursor equals the batch's revision), named in ``unchanged`` instead (docs/wire.md:
+        Cursors). A revision-less batch is always sent. Only the batches sent are copied
+        with their added age, so an answer costs what changed, not what is held."""
+        holds = {(c.site, c.provider): (c.publisher_epoch, c.batch_sequence) for c in cursors}
+        sent: list[Batch] = []
+        unchanged: list[SourceKey] = []
+        for key, h in self._latest.items():
+            if site is not None and key[0] != site:
+                continue
+            r = h.batch.revision
+            if r is not None and holds and holds.get(key) == (r.publisher_epoch, r.batch_sequence):
+                unchanged.append(SourceKey(*key))
+            else:
+                sent.append(with_added_age(h.batch, now - h.held_since))
+        return tuple(sent), tuple(unchanged)
 
     def __len__(self) -> int:
         return len(self._latest)

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse_signals_url
 from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, http_limits
+from gridd.core.cursors import held_cursors, unchanged_batches
 from gridd.core.decisions import Decision
 from gridd.core.explain import explain_model
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
@@ -313,7 +314,11 @@ class GatewayService:
         detail = f"no answer within {t.gateway_poll_budget_s:g} s"
         with trio.move_on_after(t.gateway_poll_budget_s):
             try:
-                replies = await dialer.exchange(Poll(protocol=PROTOCOL_VERSION, sent_wall=self.wall()))
+                # Cursors: what this gateway holds, so the operator leaves out every batch
+                # unchanged since (gridd/core/cursors.py; most of a 1 s poll's answer).
+                cursors = held_cursors(self.store.candidates, self.store.fences)
+                replies = await dialer.exchange(Poll(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
+                                                     cursors=cursors))
                 failure, detail = None, ""
             except ChannelError as exc:
                 failure, detail = exc.reason, str(exc)
@@ -323,7 +328,10 @@ class GatewayService:
                 if isinstance(reply, ServingConfig):
                     self.store.set_serving(reply)
                 elif isinstance(reply, Batches):
-                    self.store.ingest(reply.batches, now=now, now_wall=self.wall(),
+                    # The held batch of each unchanged provider is admitted as the repeat
+                    # the re-sent batch would have been (seen by this poll, age unchanged).
+                    repeated = unchanged_batches(self.store.candidates, reply.unchanged)
+                    self.store.ingest([*reply.batches, *repeated], now=now, now_wall=self.wall(),
                                       removed=[(k.site, k.provider) for k in reply.removed])
                     # Spec: "The reporter folds a committed observation before refresh and
                     # cancellation, so replacing a poller during refresh cannot lose a

@@ -54,7 +54,6 @@ from gridd.wire import (
     PROTOCOL_VERSION,
     Batch,
     Batches,
-    Cursor,
     Error,
     FeedbackAck,
     FeedbackReport,
@@ -221,22 +220,6 @@ def classify(identity: PeerIdentity, cfg: Config) -> PeerRole | Error:
     return "peer"
 
 
-def _apply_cursors(batches: tuple[Batch, ...], cursors: tuple[Cursor, ...]) -> tuple[tuple[Batch, ...], tuple[SourceKey, ...]]:
-    """Leave out the batches the poller already holds (same epoch and sequence)."""
-    if not cursors:
-        return batches, ()
-    held = {(c.site, c.provider): (c.publisher_epoch, c.batch_sequence) for c in cursors}
-    sent: list[Batch] = []
-    unchanged: list[SourceKey] = []
-    for b in batches:
-        r = b.revision
-        if r is not None and held.get((b.site, b.provider)) == (r.publisher_epoch, r.batch_sequence):
-            unchanged.append(SourceKey(b.site, b.provider))
-        else:
-            sent.append(b)
-    return tuple(sent), tuple(unchanged)
-
-
 class SignalsEndpoint:
     """The handler serve_signals runs for every connection to this operator."""
 
@@ -324,14 +307,13 @@ class SignalsEndpoint:
                         if serving != sent_config:
                             await session.send(serving)
                             sent_config = serving
-                        held = self.holdings.relay(now)
+                        batches, unchanged = self.holdings.relay_since(now, cursors)
                         removed = self.holdings.removed(now, cfg.routing.candidate_retention_s)
                     else:
                         # A peer operator gets only this site's own batches: it polls
                         # every other site directly and attributes each to its identity.
-                        held = self.holdings.relay(now, site=cfg.site)
+                        batches, unchanged = self.holdings.relay_since(now, cursors, site=cfg.site)
                         removed = self.holdings.removed(now, cfg.routing.candidate_retention_s, site=cfg.site)
-                    batches, unchanged = _apply_cursors(held, cursors)
                     answer = Batches(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
                                      batches=batches, unchanged=unchanged, removed=removed)
                     try:
