@@ -159,13 +159,14 @@ async def run_operator(config_path: Path, passes: int) -> dict:
 
     loaded = load_config(config_path, env={})
     operator = OperatorService(loaded, CollectorRegistry())
-    marks: list[tuple[float, float, float, float]] = []  # (process CPU, wall, pass duration, RSS MB)
+    marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
     done = trio.Event()
     publish_probe_only = operator._publish_probe_only
 
     def on_pass(started: float, duration: float) -> None:
         publish_probe_only(started, duration)
-        marks.append((time.process_time(), time.monotonic(), duration, rss_mb()))
+        times = os.times()
+        marks.append((time.process_time(), time.monotonic(), duration, rss_mb(), times.system))
         if len(marks) > WARMUP_PASSES + passes:
             done.set()
 
@@ -186,6 +187,10 @@ async def run_operator(config_path: Path, passes: int) -> dict:
         "pass_s": statistics.median(m[2] for m in measured[1:]) if len(measured) > 1 else float("nan"),
         "share": (measured[-1][0] - measured[0][0]) / (measured[-1][1] - measured[0][1]) if len(measured) > 1 else float("nan"),
         "rss_mb": measured[-1][3] if measured else float("nan"),
+        # The kernel's share of the CPU (connect, close, socket reads): on loopback it also
+        # carries the provider side's TCP work done in this process's context.
+        "system_share": ((measured[-1][4] - measured[0][4]) / (measured[-1][0] - measured[0][0])
+                         if len(measured) > 1 else float("nan")),
         "rss_before_mb": rss_before,
         "passes": len(measured) - 1,
         "failing": failing,
@@ -207,7 +212,7 @@ def operator_point(ports: list[int], concurrency: int, passes: int) -> dict:
 def operator_curve(counts: tuple[int, ...], repeats: int, passes: int, extra: list[tuple[int, int]]) -> dict:
     print("== operator: one OperatorService scraping N providers at 1 s (epp-healthy.prom, 5-50 ms) ==")
     print(f"{'providers':>9} {'slots':>5} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
-          f"{'rss_mb':>7} {'failing':>7}")
+          f"{'rss_mb':>7} {'sys':>5} {'failing':>7}")
     results: dict[tuple[int, int], list[dict]] = {}
     points = [(n, 16) for n in counts] + extra
     server, ports = start_providers(max(n for n, _ in points))
@@ -220,7 +225,8 @@ def operator_curve(counts: tuple[int, ...], repeats: int, passes: int, extra: li
     for (n, slots), runs in results.items():
         print(f"{n:>9} {slots:>5} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
               f"{spread([r['pass_s'] for r in runs]):>24} {spread([r['share'] for r in runs]):>24} "
-              f"{statistics.median(r['rss_mb'] for r in runs):7.1f} {max(r['failing'] for r in runs):>7}")
+              f"{statistics.median(r['rss_mb'] for r in runs):7.1f} "
+              f"{statistics.median(r['system_share'] for r in runs):5.2f} {max(r['failing'] for r in runs):>7}")
     small, large = results[(counts[0], 16)], results[(counts[-1], 16)]
     per_provider_kb = ((statistics.median(r["rss_mb"] for r in large) - statistics.median(r["rss_mb"] for r in small))
                        * 1024 / (counts[-1] - counts[0]))
