@@ -192,8 +192,14 @@ def test_example_1_verbatim_is_listed_and_answers_chat_through_a_gateway(certs, 
         op = gridctl_status(ws / "run" / "op.sock")["role_status"]["providers"][0]
         assert op["name"] == "local" and op["ready"] is None and op["reason"] == "NoMetricsSource"
         assert set(op["metadata"]) == {"performance.num_requests_waiting", "performance.kv_cache_usage_perc"}
-        cand = candidate(ws, "local")
-        assert cand["metadata"] == op["metadata"] and cand["excluded"] is None
+        # The gateway holds what the operator published, one poll later: read both until they
+        # agree (a probe tick between the two reads changes the values).
+        def same_metadata():
+            published = gridctl_status(ws / "run" / "op.sock")["role_status"]["providers"][0]["metadata"]
+            held = candidate(ws, "local")
+            return held if held["metadata"] == published else None
+        cand = wait_until(same_metadata, "the gateway to hold the operator's probe metadata")
+        assert cand["excluded"] is None
         assert all(0 <= age <= 20 for age in cand["metadata_age_s"].values())
         for sock in ("op", "gw"):
             text = gridctl(ws / "run" / f"{sock}.sock", "status").stdout
