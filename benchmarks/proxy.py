@@ -1,7 +1,7 @@
 """Benchmark the gateway front's forwarding overhead: the same load sent straight to a simulator
 and through a gateway front that forwards every request to that simulator.
 
-    .venv/bin/python benchmarks/proxy.py [--rounds 3] [--scale 1.0]
+    .venv/bin/python benchmarks/proxy.py [--rounds 3] [--scale 1.0] [--src DIR]
 
 Processes: the simulator (gridd.sim, ttft 0, tpot 0, 16 tokens, room for every request) runs in
 one child process, the front (gridd.gateway.front with a static router: every request goes
@@ -11,13 +11,18 @@ cores the simulator is pinned alone to CPU 1, so the backend is the same in both
 front shares CPU 0 with the load generator.
 
 Phases, each run against the simulator ("direct") and the front ("gateway") in every round,
-the order alternating between rounds: non-streamed chat completions one at a time (latency),
-streamed chat completions one at a time (time to the first body chunk), and non-streamed at a
-fixed concurrency of 8 (throughput). Every phase is bounded by a request count and a time cap
-(PHASE_CAP_S); a phase that hits the cap is flagged. Percentiles pool every round's samples;
-throughput is the median of the rounds.
+the order alternating between rounds: non-streamed and streamed chat completions at
+concurrency 1, 16 and 64 (keep-alive connections, about 1000 requests per phase at scale 1;
+1500 non-streamed at concurrency 1 for the latency figure). Every phase is bounded by a
+request count and a time cap (PHASE_CAP_S); a phase that hits the cap is flagged.
+Percentiles pool every round's samples; throughput and the front's CPU per request (utime +
+stime of the front process from /proc around the phase) are medians of the rounds.
 
-Last line: added_p50_ms=<gateway p50 - direct p50, non-streamed, milliseconds>.
+``--src DIR`` imports gridd from another checkout in the children (e.g. an export of an older
+commit), so an old and a new front are measured by the same script.
+
+Last two lines: rps_c64=<gateway req/s, non-streamed, concurrency 64> and
+added_p50_ms=<gateway p50 - direct p50, non-streamed, concurrency 1, milliseconds>.
 """
 
 from __future__ import annotations
@@ -73,8 +78,8 @@ class StaticRouter:
         return True
 
 
-def run_child(role: str, upstream: str | None, cpu: int | None) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+def run_child(role: str, upstream: str | None, cpu: int | None, src: str) -> None:
+    sys.path.insert(0, src)
     from prometheus_client import CollectorRegistry
 
     from gridd.gateway.forward import make_upstream_transport
@@ -104,8 +109,8 @@ def run_child(role: str, upstream: str | None, cpu: int | None) -> None:
     trio.run(main)
 
 
-def start_child(role: str, cpu: int | None, upstream: str | None = None) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, os.path.abspath(__file__), "--serve", role]
+def start_child(role: str, cpu: int | None, src: str, upstream: str | None = None) -> tuple[subprocess.Popen, str]:
+    args = [sys.executable, os.path.abspath(__file__), "--serve", role, "--src", src]
     if upstream:
         args += ["--upstream", upstream]
     if cpu is not None:
@@ -118,18 +123,8 @@ def start_child(role: str, cpu: int | None, upstream: str | None = None) -> tupl
     return child, child.stdout.readline().strip()
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Load side
-
-
-
-
-
-
-
-
 
 
 def post(body: bytes) -> bytes:
@@ -139,23 +134,30 @@ def post(body: bytes) -> bytes:
 
 
 
-
 def phases(scale: float) -> list[Phase]:
     def n(count: int) -> int:
         return max(10, int(count * scale))
 
     return [
         Phase("chat_c1", post(CHAT), 1, n(1500)),
-        Phase("stream_c1", post(CHAT_STREAM), 1, n(500)),
-        Phase("chat_c8", post(CHAT), 8, n(300)),
+        Phase("stream_c1", post(CHAT_STREAM), 1, n(1000)),
+        Phase("chat_c16", post(CHAT), 16, n(63)),
+        Phase("stream_c16", post(CHAT_STREAM), 16, n(63)),
+        Phase("chat_c64", post(CHAT), 64, n(16)),
+        Phase("stream_c64", post(CHAT_STREAM), 64, n(16)),
     ]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def hostport(url: str) -> tuple[str, int]:
     host, _, port = url.removeprefix("http://").rpartition(":")
     return host, int(port)
-
-
 
 
 def main() -> None:
@@ -165,9 +167,12 @@ def main() -> None:
     parser.add_argument("--cpu", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    parser.add_argument("--src", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                        help="the checkout the children import gridd from (default: this one)")
     args = parser.parse_args()
+    args.src = os.path.abspath(args.src)
     if args.serve:
-        run_child(args.serve, args.upstream, args.cpu)
+        run_child(args.serve, args.upstream, args.cpu, args.src)
         return
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -178,9 +183,10 @@ def main() -> None:
     plan = phases(args.scale)
     paths = ("direct", "gateway")
     results: dict[str, dict[str, list[PhaseResult]]] = {p: {ph.key: [] for ph in plan} for p in paths}
-    sim, sim_url = start_child("sim", sim_cpu)
+    front_cpu: dict[str, list[float]] = {ph.key: [] for ph in plan}  # front CPU ms per request
+    sim, sim_url = start_child("sim", sim_cpu, args.src)
     try:
-        front, front_url = start_child("front", load_cpu, upstream=sim_url)
+        front, front_url = start_child("front", load_cpu, args.src, upstream=sim_url)
         try:
             targets = {"direct": hostport(sim_url), "gateway": hostport(front_url)}
 
@@ -191,8 +197,13 @@ def main() -> None:
                     order = paths if round_no % 2 == 0 else tuple(reversed(paths))
                     for phase in plan:
                         for path in order:
-                            results[path][phase.key].append(await run_phase(
-                                *targets[path], phase.request, phase.concurrency, phase.per_conn))
+                            cpu_before = cpu_seconds(front.pid)
+                            run = await run_phase(*targets[path], phase.request, phase.concurrency,
+                                                  phase.per_conn)
+                            results[path][phase.key].append(run)
+                            if path == "gateway":
+                                used = cpu_seconds(front.pid) - cpu_before
+                                front_cpu[phase.key].append(1000.0 * used / max(1, len(run.total_s)))
                     print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
             trio.run(drive)
@@ -211,20 +222,22 @@ def main() -> None:
     print(f"# {len(cpus)} CPUs; simulator on CPU {sim_cpu}, front and load generator on CPU {load_cpu}; "
           f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
           + (f"; CAPPED: {', '.join(capped)}" if capped else ""))
-    print("| phase | metric | direct | gateway | added |")
-    print("|---|---|---|---|---|")
-    rows = [
-        ("chat_c1", "latency p50 ms", "total_s", 0.5),
-        ("chat_c1", "latency p99 ms", "total_s", 0.99),
-        ("stream_c1", "first chunk p50 ms", "first_s", 0.5),
-        ("stream_c1", "first chunk p99 ms", "first_s", 0.99),
-        ("stream_c1", "whole stream p50 ms", "total_s", 0.5),
-    ]
-    for key, label, attr, q in rows:
-        direct, gateway = pct(pooled("direct", key, attr), q), pct(pooled("gateway", key, attr), q)
-        print(f"| {key} | {label} | {direct:.3f} | {gateway:.3f} | {gateway - direct:+.3f} |")
-    direct_rate, gateway_rate = rate("direct", "chat_c8"), rate("gateway", "chat_c8")
-    print(f"| chat_c8 | req/s | {direct_rate:.0f} | {gateway_rate:.0f} | x{gateway_rate / direct_rate:.2f} |")
+    print("| mode | concurrency | direct req/s | gateway req/s | gateway/direct | added p50 ms "
+          "| gateway p50 ms | gateway p99 ms | p99/p50 | front CPU ms/req |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for phase in plan:
+        key = phase.key
+        d50, g50 = pct(pooled("direct", key, "total_s"), 0.5), pct(pooled("gateway", key, "total_s"), 0.5)
+        g99 = pct(pooled("gateway", key, "total_s"), 0.99)
+        d_rate, g_rate = rate("direct", key), rate("gateway", key)
+        mode = "streamed" if key.startswith("stream") else "non-streamed"
+        print(f"| {mode} | {phase.concurrency} | {d_rate:.0f} | {g_rate:.0f} | {g_rate / d_rate:.2f} "
+              f"| {g50 - d50:+.3f} | {g50:.3f} | {g99:.3f} | {g99 / g50:.1f} "
+              f"| {statistics.median(front_cpu[key]):.3f} |")
+    first_d = pct(pooled("direct", "stream_c1", "first_s"), 0.5)
+    first_g = pct(pooled("gateway", "stream_c1", "first_s"), 0.5)
+    print(f"# streamed, concurrency 1: first chunk p50 direct {first_d:.3f} ms, gateway {first_g:.3f} ms")
+    print(f"rps_c64={rate('gateway', 'chat_c64'):.0f}")
     added = pct(pooled("gateway", "chat_c1", "total_s"), 0.5) - pct(pooled("direct", "chat_c1", "total_s"), 0.5)
     print(f"added_p50_ms={added:.3f}")
 
