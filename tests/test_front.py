@@ -23,7 +23,9 @@ from prometheus_client import CollectorRegistry
 
 from gridd.core.decisions import PIN_HEADER, Forward, Shed, Unavailable, UnknownModel
 from gridd.gateway.forward import (
+    UpstreamBody,
     make_upstream_transport,
+    open_upstream,
     request_headers,
     response_headers,
     upstream_target,
@@ -767,3 +769,71 @@ async def test_remote_ingress_over_mutual_tls(nursery):
         r = await client.post(f"{other.url}/v1/chat/completions", json={"model": MODEL})
     assert r.status_code == 502
     assert other.sample("gridd_gateway_retries_total", reason="connect") == 1
+
+
+# -- the upstream pool -------------------------------------------------------------------------
+
+
+async def _exchange_once(transport, target) -> None:
+    body = json.dumps({"model": MODEL, "stream": True, "messages": []}).encode()
+    response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
+                                   lambda: None)
+    upstream = UpstreamBody(response, target)
+    try:
+        while await upstream.next_chunk() is not None:
+            pass
+    finally:
+        await upstream.aclose()
+
+
+async def test_upstream_pool_reuses_connections_and_closes_idle_ones_at_keepalive_expiry(nursery, mock_clock):
+    # Real loopback IO under a clock that moves only when told: 8 concurrent streams open 8
+    # connections, the next 16 requests reuse them, and an idle one is trusted for exactly 4 s.
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+    try:
+        async with trio.open_nursery() as batch:
+            for _ in range(8):
+                batch.start_soon(_exchange_once, transport, target)
+        assert (transport.opened, transport.requests, transport.idle_count()) == (8, 8, 8)
+        async with trio.open_nursery() as batch:
+            for _ in range(8):
+                batch.start_soon(_exchange_once, transport, target)
+        for _ in range(8):
+            await _exchange_once(transport, target)
+        assert (transport.opened, transport.requests, transport.idle_count()) == (8, 24, 8)
+        mock_clock.jump(3.5)
+        assert await transport.close_expired() == 0
+        await _exchange_once(transport, target)  # the most recently used one: trusted until 7.5
+        mock_clock.jump(0.5)
+        assert await transport.close_expired() == 7  # released at 0, expired at 4.0
+        assert (transport.opened, transport.idle_count()) == (8, 1)
+        mock_clock.jump(3.25)
+        await _exchange_once(transport, target)  # 7.25: still trusted; now until 11.25
+        assert transport.opened == 8
+        mock_clock.jump(4.0)
+        await _exchange_once(transport, target)  # 11.25: expired, closed, a new connection
+        assert (transport.opened, transport.idle_count()) == (9, 1)
+    finally:
+        await transport.aclose()
+    assert transport.idle_count() == 0
+
+
+async def test_upstream_pool_drops_a_connection_the_server_closed(nursery):
+    # The server closes idle keep-alive connections after 0.2 s: the pool sees the socket read
+    # as closed and opens a new one, without an error.
+    app = SimApp(knobs_from({"ttft_s": 0.0, "tpot_s": 0.0, "max_tokens": 2}))
+    url = (await nursery.start(lambda task_status: serve_asgi(app, ["127.0.0.1:0"], keep_alive_s=0.2,
+                                                              task_status=task_status)))[0]
+    transport = make_upstream_transport()
+    target = upstream_target(local("a", "p", url), "/v1/chat/completions")
+    try:
+        await _exchange_once(transport, target)
+        await _exchange_once(transport, target)
+        assert transport.opened == 1
+        await trio.sleep(0.4)
+        await _exchange_once(transport, target)
+        assert (transport.opened, transport.requests) == (2, 3)
+    finally:
+        await transport.aclose()

@@ -42,6 +42,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamTarget",
     "UpstreamTransport",
+    "close_expired_forever",
     "make_upstream_transport",
     "open_upstream",
     "request_headers",
@@ -568,6 +569,13 @@ class SwappableTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         return await self.inner.handle_async_request(request)
 
+    async def close_expired(self) -> int:
+        closed = 0
+        for transport in (self.inner, *self._retired):
+            if isinstance(transport, UpstreamTransport):
+                closed += await transport.close_expired()
+        return closed
+
     def swap(self, inner: httpx.AsyncBaseTransport) -> None:
         self._retired.append(self.inner)
         self.inner = inner
@@ -576,3 +584,20 @@ class SwappableTransport(httpx.AsyncBaseTransport):
         for transport in (self.inner, *self._retired):
             await transport.aclose()
         self._retired.clear()
+
+
+SWEEP_EVERY_S = 1.0
+"""How often idle upstream connections past their keep-alive are closed when no request
+comes to close them (a quiet gateway must not hold sockets its backends already closed)."""
+
+
+async def close_expired_forever(transports: Iterable[httpx.AsyncBaseTransport]) -> None:
+    """Every SWEEP_EVERY_S, close the idle connections past their keep-alive in each of our
+    transports (other httpx transports, e.g. injected by tests, are left alone)."""
+    ours = [t for t in transports if isinstance(t, (UpstreamTransport, SwappableTransport))]
+    if not ours:
+        return
+    while True:
+        await trio.sleep(SWEEP_EVERY_S)
+        for transport in ours:
+            await transport.close_expired()

@@ -32,7 +32,7 @@ from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
-from gridd.gateway.forward import SwappableTransport, make_upstream_transport
+from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
@@ -247,6 +247,7 @@ class GatewayService:
                 self.front_urls = await nursery.start(self._serve_front, app)
             else:
                 self._front_done.set()  # no front: nothing to drain
+            nursery.start_soon(close_expired_forever, (transport, ingress), name="upstream-keepalive")
             # Serving from here on: the poller runs only while the front accepts requests.
             self._serving = True
             nursery.start_soon(self._supervise_poller, name="operator-poller")
