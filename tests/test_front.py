@@ -779,9 +779,12 @@ async def _exchange_once(transport, target) -> None:
     response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
                                    lambda: None)
     upstream = UpstreamBody(response, target)
+
+    async def discard(data: bytes, last: bool) -> None:
+        pass
+
     try:
-        while await upstream.next_chunk() is not None:
-            pass
+        await upstream.relay(discard)
     finally:
         await upstream.aclose()
 

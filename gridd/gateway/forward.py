@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,11 +191,14 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
     the whole request into one send() and wakes the upstream once instead of twice. No
     timeouts and no cancel scopes per operation: the front's scopes bound the exchange."""
 
-    __slots__ = ("_stream", "_pending")
+    __slots__ = ("_stream", "_pending", "before_wait")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
         self._pending: list[bytes] = []
+        self.before_wait: Callable[[], Awaitable[None]] | None = None
+        """Awaited before a read that would wait for the peer (nothing readable yet): the
+        relay of a response body hands on what it gathered (UpstreamBody.relay)."""
 
     # httpcore's interface carries ``timeout``; it is always None here (requests carry no
     # timeout extension) and ignored: callers bound the exchange with trio scopes (STYLE 3).
@@ -211,6 +214,8 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
                 await self._stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise httpcore.WriteError(repr(exc)) from exc
+        if self.before_wait is not None and not self._socket().is_readable():
+            await self.before_wait()
         try:
             return await self._stream.receive_some(max_bytes)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -526,8 +531,12 @@ async def open_upstream(transport: httpx.AsyncBaseTransport, target: UpstreamTar
     return response
 
 
+RELAY_GATHER_BYTES = 64 * 1024
+"""Most body bytes UpstreamBody.relay gathers before handing them on, even if more are ready."""
+
+
 class UpstreamBody:
-    """The response body as raw chunks (no decoding: relayed byte for byte)."""
+    """The response body as raw bytes (no decoding: relayed byte for byte)."""
 
     __slots__ = ("response", "target", "_chunks")
 
@@ -536,18 +545,50 @@ class UpstreamBody:
         self.target = target
         self._chunks = response.stream.__aiter__()  # type: ignore[union-attr]
 
-    async def next_chunk(self) -> bytes | None:
-        """The next non-empty chunk; None at the end of the body."""
+    async def relay(self, deliver: Callable[[bytes, bool], Awaitable[None]]) -> None:
+        """Hand the body to ``deliver(data, last)`` in as few pieces as it arrives in.
+
+        Everything the upstream connection already holds (h11's buffer, and the socket's while
+        it stays readable, up to RELAY_GATHER_BYTES) goes in one call, made just before the
+        connection would wait for the upstream: a stream that arrives one event at a time is
+        relayed one event at a time, a backlog is relayed in one piece, never one send per
+        event. The last call has ``last`` true, with whatever remains (maybe b"").
+        An upstream failure delivers what arrived before it, then raises UpstreamError
+        (stream_broken); whatever ``deliver`` raises passes through unchanged."""
+        pending: list[bytes] = []
+        size = 0
+
+        async def flush() -> None:
+            nonlocal size
+            if pending:
+                data = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending.clear()
+                size = 0
+                await deliver(data, False)
+
+        stream = (self.response.extensions or {}).get("network_stream")
+        hooked = isinstance(stream, _CoalescingStream)
+        if hooked:
+            stream.before_wait = flush
         try:
-            while True:
-                chunk = await self._chunks.__anext__()
+            async for chunk in self._chunks:
                 if chunk:
-                    return chunk
-        except StopAsyncIteration:
-            return None
+                    pending.append(chunk)
+                    size += len(chunk)
+                    if not hooked or size >= RELAY_GATHER_BYTES:
+                        await flush()
         except httpx.TransportError as exc:
-            raise UpstreamError(f"{self.target.url} broke mid-body: {exc!r}", reason="stream_broken",
-                                retryable=False) from exc
+            broken: httpx.TransportError | None = exc
+        else:
+            broken = None
+        finally:
+            if hooked:
+                stream.before_wait = None
+        if broken is not None:
+            await flush()  # what arrived before the break still reaches the client
+            raise UpstreamError(f"{self.target.url} broke mid-body: {broken!r}", reason="stream_broken",
+                                retryable=False) from broken
+        await deliver(b"".join(pending), True)
 
     async def aclose(self) -> None:
         """Close the body; an unfinished one closes its connection (the upstream sees EOF)."""

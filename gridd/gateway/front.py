@@ -483,10 +483,10 @@ class FrontApp:
         body byte, then ``stream_idle_s`` after each chunk relayed. Raises a retryable
         UpstreamError only while nothing was sent to the client.
 
-        The head is held until the first body chunk (or the end of an empty body), so a
-        failure before the first byte still gets a clean error. With a Content-Length the last
-        chunk is sent as the end of the response (one write for small answers); the body is
-        still read to its end, so the upstream connection goes back to the pool. A failure
+        The head is held until the first body bytes (or the end of an empty body), so a
+        failure before the first byte still gets a clean error. The body goes on in the pieces
+        UpstreamBody.relay gathers (whatever has arrived, one send each); the last piece ends
+        the response (one write for a small answer). A failure
         after the first byte cuts the client's response: the app returns without finishing it,
         and the server closes the connection (a truncated body, never a hang)."""
         limits = self.limits
@@ -515,7 +515,7 @@ class FrontApp:
                 metrics.observe_upstream_latency(target.site, trio.current_time() - sent_at)
                 upstream = UpstreamBody(response, target)
                 status = response.status_code
-                relayed, left = response_headers(response.headers.raw)
+                relayed, _ = response_headers(response.headers.raw)
                 # Which site and provider answered, `<site>/<provider>`: for clients' logs and the
                 # demo; never read by routing. A remote site's gateway set it first (it picked its
                 # own provider); a local provider's answer cannot name itself.
@@ -524,35 +524,24 @@ class FrontApp:
                     relayed.append((SERVED_BY, f"{target.site}/{target.provider}".encode()))
                 head = {"type": "http.response.start", "status": status, "headers": relayed}
                 idle_s = limits.stream_idle_s
-                while True:
-                    chunk = await upstream.next_chunk()
-                    if chunk is None:
-                        break
-                    more = True
-                    if left >= 0:
-                        left -= len(chunk)
-                        more = left > 0
+
+                async def deliver(data: bytes, last: bool) -> None:
+                    nonlocal phase, head_sent, finished
                     if not head_sent:
                         phase = "idle"
                         await send(head)
                         head_sent = True
                         metrics.observe_first_byte(target.site, trio.current_time() - started)
-                    if not more or chunk.endswith(SSE_DONE):
+                    if last or data.endswith(SSE_DONE):
                         # The client has everything once this goes out (the last byte, or the
                         # OpenAI stream terminator); its hanging up next is not a lost answer.
                         exchange.watching.cancel()
                         exchange.stream_done = True
-                    await send({"type": "http.response.body", "body": chunk, "more_body": more})
-                    finished = not more
+                    await send({"type": "http.response.body", "body": data, "more_body": not last})
+                    finished = last
                     bound.deadline = trio.current_time() + idle_s
-                if not finished:
-                    if not head_sent:
-                        await send(head)
-                        head_sent = True
-                        metrics.observe_first_byte(target.site, trio.current_time() - started)
-                    exchange.watching.cancel()
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    finished = True
+
+                await upstream.relay(deliver)
         except UpstreamError as exc:
             if not head_sent:
                 raise
