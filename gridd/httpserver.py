@@ -88,6 +88,10 @@ _READ_BYTES = 64 * 1024
 # accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_S = 0.1
+# accept() errors about one queued connection only (it was reset before we took it): skip it.
+_ACCEPT_GONE_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
+# Most connections taken from the listen queue per wake-up of the accept loop.
+_ACCEPT_BATCH = 256
 # Refusals (connection cap, accept() out of descriptors) are logged at most once per this
 # long per listener, with the count since the last line, so an attack cannot flood the log.
 _REFUSAL_LOG_EVERY_S = 10.0
@@ -133,12 +137,12 @@ def _bound_url(sockname: Any, family: int) -> str:
 
 
 class _Listener:
-    __slots__ = ("listener", "url", "server", "unix_path", "open", "waiting", "refused", "_logged_at")
+    __slots__ = ("sock", "listener", "url", "server", "unix_path", "open", "waiting", "refused", "_logged_at")
 
-    def __init__(
-        self, listener: trio.SocketListener, url: str, server: tuple[Any, Any], unix_path: str | None
-    ):
-        self.listener = listener
+    def __init__(self, sock: socket.socket, url: str, server: tuple[Any, Any], unix_path: str | None):
+        # The listening socket, non-blocking: accepted from directly, in batches (_accept_loop).
+        self.sock = sock
+        self.listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         self.url = url
         self.server = server
         self.unix_path = unix_path
@@ -168,25 +172,55 @@ class _Listener:
             self.refused = {}
 
 
-async def _open_listeners(binds: list[str]) -> list[_Listener]:
+# Listen backlog asked of the kernel (it caps this at net.core.somaxconn).
+_LISTEN_BACKLOG = 65535
+
+
+def _tcp_sockets(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """Bound, listening, non-blocking TCP sockets for every address of ``host`` (as
+    trio.open_tcp_listeners makes them, plus SO_REUSEPORT when asked)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                # Several processes bind the same address; the kernel spreads new connections
+                # over them (docs/performance.md, "All cores").
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(_LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def _open_listeners(binds: list[str], reuse_port: bool = False) -> list[_Listener]:
     opened: list[_Listener] = []
     try:
         for bind in binds:
             kind, host, port = parse_bind(bind)
             if kind == "unix":
-                sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    await sock.bind(host)
-                    sock.listen(socket.SOMAXCONN)
+                    sock.bind(host)
+                    sock.listen(_LISTEN_BACKLOG)
+                    sock.setblocking(False)
                 except BaseException:
                     sock.close()
                     raise
-                opened.append(_Listener(trio.SocketListener(sock), f"unix:{host}", (host, None), host))
+                opened.append(_Listener(sock, f"unix:{host}", (host, None), host))
                 continue
-            for listener in await trio.open_tcp_listeners(port, host=host):
-                sock = listener.socket
+            for sock in await trio.to_thread.run_sync(_tcp_sockets, host, port, reuse_port):
                 name = sock.getsockname()
-                opened.append(_Listener(listener, _bound_url(name, sock.family), (name[0], name[1]), None))
+                opened.append(_Listener(sock, _bound_url(name, sock.family), (name[0], name[1]), None))
     except BaseException:
         await _close_listeners(opened)
         raise
@@ -735,23 +769,35 @@ async def _accept_loop(
     state: _ServerState,
     connections: trio.Nursery,
 ) -> None:
+    # Every connection waiting in the listen queue is taken at each wake-up (up to
+    # _ACCEPT_BATCH): one accept per scheduler pass, as trio's SocketListener does, admits
+    # about one connection per pass over every busy task, which under a thousand streams
+    # left clients queued for tens of seconds (docs/http-serving.md, "Accepting").
+    sock = entry.sock
     while True:
-        try:
-            stream = await entry.listener.accept()
-        except OSError as exc:
-            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                raise
-            entry.note_refusal(f"accept() {errno.errorcode.get(exc.errno, exc.errno)}", trio.current_time())
-            await trio.sleep(_ACCEPT_RETRY_S)
-            continue
-        # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
-        # that has waited longest on its client; if every one is busy in the app, refuse.
-        if entry.open >= limits.max_connections and not entry.evict_oldest_waiting():
-            entry.note_refusal("over the connection cap", trio.current_time())
-            connections.start_soon(_refuse_busy, stream)
-            continue
-        entry.open += 1
-        connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
+        await trio.lowlevel.wait_readable(sock)
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                accepted, _ = sock.accept()
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno in _ACCEPT_GONE_ERRNOS:
+                    continue  # the client gave up while queued
+                if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                entry.note_refusal(f"accept() {errno.errorcode.get(exc.errno, exc.errno)}", trio.current_time())
+                await trio.sleep(_ACCEPT_RETRY_S)
+                break
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
+            # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
+            # that has waited longest on its client; if every one is busy in the app, refuse.
+            if entry.open >= limits.max_connections and not entry.evict_oldest_waiting():
+                entry.note_refusal("over the connection cap", trio.current_time())
+                connections.start_soon(_refuse_busy, stream)
+                continue
+            entry.open += 1
+            connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
 
 
 async def _refuse_busy(stream: trio.SocketStream) -> None:
