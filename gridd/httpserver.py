@@ -821,9 +821,10 @@ async def _serve_h11(
     *,
     stop_accepting: trio.Event | None,
     limits: _Limits,
+    reuse_port: bool,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
-    listeners = await _open_listeners(binds)
+    listeners = await _open_listeners(binds, reuse_port)
     state = _ServerState()
     try:
         async with trio.open_nursery() as connections:
@@ -992,6 +993,7 @@ async def serve_asgi(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` (ASGI 3, http scopes only) on `binds` until cancelled or drained.
@@ -1006,12 +1008,17 @@ async def serve_asgi(
     stalled that long, or not complete that long after its head, gets 408. max_connections
     (per listener) and max_buffered_bytes (request bodies held across connections): see
     DEFAULT_MAX_CONNECTIONS and DEFAULT_MAX_BUFFERED_BYTES; the hypercorn backend has neither.
+    reuse_port: bind TCP listeners with SO_REUSEPORT, so other processes may serve the same
+    address (h11 backend only).
     """
     limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes, body_idle_s, body_deadline_s,
                      max_connections, max_buffered_bytes)
     if server == "h11":
-        await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status)
+        await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, reuse_port=reuse_port,
+                         task_status=task_status)
     elif server == "hypercorn":
+        if reuse_port:
+            raise ValueError("reuse_port needs the h11 backend")
         await _serve_hypercorn(
             app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status
         )

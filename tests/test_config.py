@@ -109,6 +109,8 @@ providers:
          "auth: {scheme: bearer, api_key: 'clé'}}}\n",
          "providers[0].settings.auth.api_key: expected ASCII"),
         ("role: operator\n  site: [unclosed\n", "not valid YAML at line"),
+        ("role: operator\nsite: a\nlisten: {http: '127.0.0.1:8080', http_reuse_port: true}\n",
+         "listen.http_reuse_port: only gateways share a port"),
     ],
 )
 def test_errors_name_the_exact_path(text, message):

@@ -901,3 +901,33 @@ async def test_queued_connections_are_accepted_in_one_pass_not_one_per_pass():
             for client in clients:
                 client.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_reuse_port_lets_two_servers_share_one_port():
+    # Replicas on one host (listen.http_reuse_port): both bind the same port, and both serve.
+    seen = []
+
+    def app_named(name):
+        async def app(scope, receive, send):
+            seen.append(name)
+            await respond(send, 200, name.encode())
+        return app
+
+    async with serving(app_named("one"), "h11", reuse_port=True) as urls:
+        port = hostport(urls[0])[1]
+        async with serving(app_named("two"), "h11", binds=(f"127.0.0.1:{port}",), reuse_port=True) as second:
+            assert second == urls
+            with trio.fail_after(BOUND_S):
+                # New connections are spread by the kernel (a hash of the client's address):
+                # within a bounded number of fresh connections both replicas answer.
+                for _ in range(200):
+                    async with httpx.AsyncClient() as client:
+                        await client.get(urls[0] + "/")
+                    if set(seen) == {"one", "two"}:
+                        break
+            assert set(seen) == {"one", "two"}
+        # Without it, the port is taken.
+        with pytest.raises(BaseExceptionGroup) as refused:
+            async with serving(app_named("three"), "h11", binds=(f"127.0.0.1:{port}",)):
+                pass
+        assert refused.group_contains(OSError, match="Address already in use", depth=None)

@@ -259,7 +259,8 @@ class GatewayService:
     async def _serve_front(self, app, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await serve_asgi(app, [self.config.listen.http], stop_accepting=self._stop_accepting,
-                             task_status=task_status, **http_limits(self.config))
+                             task_status=task_status, reuse_port=self.config.listen.http_reuse_port,
+                             **http_limits(self.config))
         finally:
             self._front_done.set()
 
@@ -373,6 +374,8 @@ class GatewayService:
     async def stage(self, new: LoadedConfig) -> StagedGateway:
         if new.config.listen.http != self.config.listen.http:
             raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
+        if new.config.listen.http_reuse_port != self.config.listen.http_reuse_port:
+            raise GriddError("listen.http_reuse_port: changed; restart gridd to apply", reason="config")
         check_gateway_config(new.config)
         if http_limits(new.config) != http_limits(self.config):
             raise GriddError("limits.http_*: changed; restart gridd to apply", reason="config")
