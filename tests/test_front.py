@@ -840,3 +840,16 @@ async def test_upstream_pool_drops_a_connection_the_server_closed(nursery):
         assert (transport.opened, transport.requests) == (2, 3)
     finally:
         await transport.aclose()
+
+
+async def test_front_reuses_upstream_connections_and_counts_them(nursery):
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    front = await start_front(nursery, FakeRouter("a", always(local("a", "p", sim.url))))
+    async with httpx.AsyncClient(timeout=BOUND_S) as client:
+        for stream in (False, True, False, True, False):
+            r = await client.post(f"{front.url}/v1/chat/completions",
+                                  json={"model": MODEL, "stream": stream, "messages": []})
+            assert r.status_code == 200
+    await front.counted(5)
+    assert front.sample("gridd_gateway_upstream_requests_sent_total", upstream="provider") == 5
+    assert front.sample("gridd_gateway_upstream_connections_opened_total", upstream="provider") == 1

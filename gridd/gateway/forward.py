@@ -353,6 +353,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     def idle_count(self) -> int:
         return sum(len(stack) for stack in self._idle.values())
 
+    def pool_counts(self) -> tuple[int, int]:
+        """(connections opened, requests sent)."""
+        return self.opened, self.requests
+
     async def _connect(self, scheme: bytes, host: bytes, port: int) -> httpcore.AsyncHTTP11Connection:
         if scheme not in _DEFAULT_PORTS:
             raise httpx.UnsupportedProtocol(f"unsupported URL scheme {scheme.decode('latin-1')!r}")
@@ -609,6 +613,11 @@ class SwappableTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         return await self.inner.handle_async_request(request)
+
+    def pool_counts(self) -> tuple[int, int]:
+        """(connections opened, requests sent) over the inner transports, retired ones included."""
+        pools = [t for t in (self.inner, *self._retired) if isinstance(t, UpstreamTransport)]
+        return sum(t.opened for t in pools), sum(t.requests for t in pools)
 
     async def close_expired(self) -> int:
         closed = 0

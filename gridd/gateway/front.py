@@ -136,6 +136,9 @@ class FrontMetrics:
         self.unavailable: dict[str, int] = {}
         self.upstream_latency: dict[str, _Histogram] = {}
         self.first_byte: dict[str, _Histogram] = {}
+        self.pools: dict[str, Any] = {}
+        """Upstream transports by ``upstream`` label (provider, ingress) whose pool_counts()
+        give connections opened and requests sent (forward.UpstreamTransport)."""
 
     def request(self, model: str, site: str, outcome: str) -> None:
         key = (model, site, outcome)
@@ -186,6 +189,18 @@ class FrontMetrics:
         for model, value in list(self.unavailable.items()):
             unavailable.add_metric([model], value)
         yield unavailable
+        opened = CounterMetricFamily(
+            "gridd_gateway_upstream_connections_opened", "Connections opened to upstreams (providers, or other "
+            "sites' ingress); compare with gridd_gateway_upstream_requests_sent for the reuse.",
+            labels=["upstream"])
+        sent = CounterMetricFamily("gridd_gateway_upstream_requests_sent", "Requests sent to upstreams.",
+                                   labels=["upstream"])
+        for upstream, pool in list(self.pools.items()):
+            connections, requests = pool.pool_counts()
+            opened.add_metric([upstream], connections)
+            sent.add_metric([upstream], requests)
+        yield opened
+        yield sent
         for name, doc, hists in (
             ("gridd_gateway_upstream_latency_seconds",
              "From sending a request upstream to its response headers, per site that answered.",
@@ -274,6 +289,9 @@ class FrontApp:
         self.limits = limits
         self.created_unix = created_unix
         self.metrics = FrontMetrics()
+        for upstream, given in (("provider", self.transport), ("ingress", self.ingress_transport)):
+            if hasattr(given, "pool_counts") and given not in self.metrics.pools.values():
+                self.metrics.pools[upstream] = given
         registry.register(self.metrics)
         self._targets: dict[tuple[Any, ...], tuple[Any, UpstreamTarget]] = {}
 
