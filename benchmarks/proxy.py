@@ -28,8 +28,11 @@ added_p50_ms=<gateway p50 - direct p50, non-streamed, concurrency 1, millisecond
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import random
+import resource
 import select
 import statistics
 import subprocess
@@ -55,21 +58,32 @@ CHAT_STREAM = (b'{"model":"sim-model","stream":true,'
 # Children
 
 
-class StaticRouter:
-    """Every request for MODEL goes to one local provider (the simulator)."""
+SIM_KNOBS = {"endpoints": 1, "max_seqs": 1024, "ttft_s": 0.0, "tpot_s": 0.0, "max_tokens": 16, "model": MODEL}
 
-    def __init__(self, site: str, upstream: str) -> None:
+
+class StaticRouter:
+    """Every request for MODEL goes to a local provider (a simulator), in turn when there are
+    several (benchmarks/streams.py)."""
+
+    def __init__(self, site: str, upstreams: list[str]) -> None:
         from gridd.core.decisions import Forward, UnknownModel
         from gridd.wire import LocalProvider
 
         self.site = site
-        self._forward = Forward(site, "sim", MODEL, local=LocalProvider("sim", MODEL, upstream + "/v1"))
+        self._forwards = [Forward(site, f"sim{i}", MODEL, local=LocalProvider(f"sim{i}", MODEL, url + "/v1"))
+                          for i, url in enumerate(upstreams)]
+        self._next = 0
         self._unknown = UnknownModel()
 
     def decide(self, model, *, pinned_site=None, exclude=frozenset()):
-        if model != MODEL or (self.site, "sim") in exclude:
+        if model != MODEL:
             return self._unknown
-        return self._forward
+        for _ in range(len(self._forwards)):
+            forward = self._forwards[self._next]
+            self._next = (self._next + 1) % len(self._forwards)
+            if (self.site, forward.provider) not in exclude:
+                return forward
+        return self._unknown
 
     def models(self):
         return [MODEL]
@@ -77,8 +91,11 @@ class StaticRouter:
     def ready(self):
         return True
 
+    def not_ready_reason(self):
+        return None
 
-def run_child(role: str, upstream: str | None, cpu: int | None, src: str) -> None:
+
+def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs: str | None) -> None:
     sys.path.insert(0, src)
     from prometheus_client import CollectorRegistry
 
@@ -90,17 +107,19 @@ def run_child(role: str, upstream: str | None, cpu: int | None, src: str) -> Non
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     async def main():
         async with trio.open_nursery() as nursery:
             if role == "sim":
-                app = SimApp(sim_model.knobs_from({"endpoints": 1, "max_seqs": 1024, "ttft_s": 0.0,
-                                                   "tpot_s": 0.0, "max_tokens": 16, "model": MODEL}))
-                urls = await nursery.start(serve_asgi, app, ["127.0.0.1:0"])
+                app = SimApp(sim_model.knobs_from(json.loads(knobs) if knobs else SIM_KNOBS))
+                urls = await nursery.start(functools.partial(serve_asgi, max_connections=8192), app,
+                                           ["127.0.0.1:0"])
                 print(urls[0], flush=True)
                 return
             async with make_upstream_transport() as transport:
-                app = make_front_app(StaticRouter("bench", upstream), transport, CollectorRegistry(),
+                app = make_front_app(StaticRouter("bench", upstreams), transport, CollectorRegistry(),
                                      rng=random.Random(0))
                 urls = await nursery.start(serve_asgi, app, ["127.0.0.1:0"])
                 print(urls[0], flush=True)
@@ -109,10 +128,13 @@ def run_child(role: str, upstream: str | None, cpu: int | None, src: str) -> Non
     trio.run(main)
 
 
-def start_child(role: str, cpu: int | None, src: str, upstream: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_child(role: str, cpu: int | None, src: str, upstreams: tuple[str, ...] = (),
+                knobs: dict | None = None) -> tuple[subprocess.Popen, str]:
     args = [sys.executable, os.path.abspath(__file__), "--serve", role, "--src", src]
-    if upstream:
+    for upstream in upstreams:
         args += ["--upstream", upstream]
+    if knobs is not None:
+        args += ["--knobs", json.dumps(knobs)]
     if cpu is not None:
         args += ["--cpu", str(cpu)]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
@@ -163,7 +185,8 @@ def hostport(url: str) -> tuple[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--serve", choices=("sim", "front"))
-    parser.add_argument("--upstream")
+    parser.add_argument("--upstream", action="append", default=[])
+    parser.add_argument("--knobs", help="simulator knobs as JSON (a child's)")
     parser.add_argument("--cpu", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
@@ -172,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     args.src = os.path.abspath(args.src)
     if args.serve:
-        run_child(args.serve, args.upstream, args.cpu, args.src)
+        run_child(args.serve, args.upstream, args.cpu, args.src, args.knobs)
         return
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -186,7 +209,7 @@ def main() -> None:
     front_cpu: dict[str, list[float]] = {ph.key: [] for ph in plan}  # front CPU ms per request
     sim, sim_url = start_child("sim", sim_cpu, args.src)
     try:
-        front, front_url = start_child("front", load_cpu, args.src, upstream=sim_url)
+        front, front_url = start_child("front", load_cpu, args.src, upstreams=(sim_url,))
         try:
             targets = {"direct": hostport(sim_url), "gateway": hostport(front_url)}
 
