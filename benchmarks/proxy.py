@@ -1,7 +1,7 @@
 """Benchmark the gateway front's forwarding overhead: the same load sent straight to a simulator
 and through a gateway front that forwards every request to that simulator.
 
-    .venv/bin/python benchmarks/proxy.py [--rounds 3] [--scale 1.0] [--src DIR]
+    .venv/bin/python benchmarks/proxy.py [--rounds 3] [--scale 1.0] [--src DIR] [--replicas N]
 
 Processes: the simulator (gridd.sim, ttft 0, tpot 0, 16 tokens, room for every request) runs in
 one child process, the front (gridd.gateway.front with a static router: every request goes
@@ -17,6 +17,9 @@ concurrency 1, 16 and 64 (keep-alive connections, about 1000 requests per phase 
 request count and a time cap (PHASE_CAP_S); a phase that hits the cap is flagged.
 Percentiles pool every round's samples; throughput and the front's CPU per request (utime +
 stime of the front process from /proc around the phase) are medians of the rounds.
+
+``--replicas N`` runs N front processes sharing one port (SO_REUSEPORT, as
+``listen.http_reuse_port``), pinned one per CPU in turn; CPU per request sums them.
 
 ``--src DIR`` imports gridd from another checkout in the children (e.g. an export of an older
 commit), so an old and a new front are measured by the same script.
@@ -95,7 +98,8 @@ class StaticRouter:
         return None
 
 
-def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs: str | None) -> None:
+def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs: str | None,
+              bind: str | None = None) -> None:
     sys.path.insert(0, src)
     from prometheus_client import CollectorRegistry
 
@@ -121,7 +125,9 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
             async with make_upstream_transport() as transport:
                 app = make_front_app(StaticRouter("bench", upstreams), transport, CollectorRegistry(),
                                      rng=random.Random(0))
-                urls = await nursery.start(serve_asgi, app, ["127.0.0.1:0"])
+                # --bind: a replica sharing the first one's port (SO_REUSEPORT, --replicas).
+                serve = functools.partial(serve_asgi, reuse_port=True) if bind else serve_asgi
+                urls = await nursery.start(serve, app, [bind or "127.0.0.1:0"])
                 print(urls[0], flush=True)
                 await trio.sleep_forever()
 
@@ -129,8 +135,10 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
 
 
 def start_child(role: str, cpu: int | None, src: str, upstreams: tuple[str, ...] = (),
-                knobs: dict | None = None) -> tuple[subprocess.Popen, str]:
+                knobs: dict | None = None, bind: str | None = None) -> tuple[subprocess.Popen, str]:
     args = [sys.executable, os.path.abspath(__file__), "--serve", role, "--src", src]
+    if bind:
+        args += ["--bind", bind]
     for upstream in upstreams:
         args += ["--upstream", upstream]
     if knobs is not None:
@@ -187,6 +195,9 @@ def main() -> None:
     parser.add_argument("--serve", choices=("sim", "front"))
     parser.add_argument("--upstream", action="append", default=[])
     parser.add_argument("--knobs", help="simulator knobs as JSON (a child's)")
+    parser.add_argument("--bind", help="a front replica's address (a child's)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="front processes sharing one port with SO_REUSEPORT (one per CPU, in turn)")
     parser.add_argument("--cpu", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
@@ -195,7 +206,7 @@ def main() -> None:
     args = parser.parse_args()
     args.src = os.path.abspath(args.src)
     if args.serve:
-        run_child(args.serve, args.upstream, args.cpu, args.src, args.knobs)
+        run_child(args.serve, args.upstream, args.cpu, args.src, args.knobs, args.bind)
         return
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -209,8 +220,13 @@ def main() -> None:
     front_cpu: dict[str, list[float]] = {ph.key: [] for ph in plan}  # front CPU ms per request
     sim, sim_url = start_child("sim", sim_cpu, args.src)
     try:
-        front, front_url = start_child("front", load_cpu, args.src, upstreams=(sim_url,))
+        replicas = []
+        front, front_url = start_child("front", load_cpu, args.src, upstreams=(sim_url,),
+                                       bind="127.0.0.1:0" if args.replicas > 1 else None)
         try:
+            for i in range(1, args.replicas):
+                replicas.append(start_child("front", cpus[i % len(cpus)], args.src, upstreams=(sim_url,),
+                                            bind=front_url.removeprefix("http://"))[0])
             targets = {"direct": hostport(sim_url), "gateway": hostport(front_url)}
 
             async def drive():
@@ -220,18 +236,19 @@ def main() -> None:
                     order = paths if round_no % 2 == 0 else tuple(reversed(paths))
                     for phase in plan:
                         for path in order:
-                            cpu_before = cpu_seconds(front.pid)
+                            cpu_before = sum(cpu_seconds(p.pid) for p in (front, *replicas))
                             run = await run_phase(*targets[path], phase.request, phase.concurrency,
                                                   phase.per_conn)
                             results[path][phase.key].append(run)
                             if path == "gateway":
-                                used = cpu_seconds(front.pid) - cpu_before
+                                used = sum(cpu_seconds(p.pid) for p in (front, *replicas)) - cpu_before
                                 front_cpu[phase.key].append(1000.0 * used / max(1, len(run.total_s)))
                     print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
             trio.run(drive)
         finally:
-            stop_child(front)
+            for child in (front, *replicas):
+                stop_child(child)
     finally:
         stop_child(sim)
 
@@ -242,7 +259,9 @@ def main() -> None:
         return statistics.median(len(r.total_s) / r.wall_s for r in results[path][key])
 
     capped = sorted({key for path in paths for key, runs in results[path].items() if any(r.capped for r in runs)})
-    print(f"# {len(cpus)} CPUs; simulator on CPU {sim_cpu}, front and load generator on CPU {load_cpu}; "
+    print(f"# {len(cpus)} CPUs; simulator on CPU {sim_cpu}, front and load generator on CPU {load_cpu}"
+          + (f" ({args.replicas} front replicas sharing the port, one per CPU in turn)" if args.replicas > 1 else "")
+          + "; "
           f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
           + (f"; CAPPED: {', '.join(capped)}" if capped else ""))
     print("| mode | concurrency | direct req/s | gateway req/s | gateway/direct | added p50 ms "

@@ -1,6 +1,6 @@
 """Many concurrent streamed chat completions through one gateway front (issue 18).
 
-    .venv/bin/python benchmarks/streams.py [--concurrency 1000] [--hold-s 60] [--src DIR]
+    .venv/bin/python benchmarks/streams.py [--concurrency 1000] [--hold-s 60] [--src DIR] [--direct]
 
 Processes (loopback only): two simulators (8 endpoints x 128 sequences each; 0.2 s to the
 first token, 100 tokens 0.02 s apart, so a stream takes BACKEND_STREAM_S = 2.18 s at the
@@ -13,6 +13,10 @@ client's connect, so a wait in the listen queue counts), whole stream p50/p99, t
 (% of one core), RSS, open descriptors, and new upstream connections per upstream request
 (from the front's /metrics). Ends with the whole run's figures, the largest first-chunk time,
 and ``streams_ratio=<end-to-end stream p50 / BACKEND_STREAM_S>``.
+
+``--direct`` sends the same load straight to the simulators (half to each; the front still
+runs, idle): on a small machine the clients and simulators may be the limit, and this shows
+where it lies.
 
 Bounded: at most MAX_CONCURRENCY clients and MAX_HOLD_S; each stream is cut after
 STREAM_CAP_S (counted as failed); streams still open when the hold time ends are not counted.
@@ -95,23 +99,23 @@ async def upstream_counts(host: str, port: int) -> tuple[float, float]:
     return found["gridd_gateway_upstream_connections_opened_total"], found["gridd_gateway_upstream_requests_sent_total"]
 
 
-async def drive(front_pid: int, host: str, port: int, concurrency: int, hold_s: float, row_s: float) -> dict:
+async def drive(front_pid: int, host: str, port: int, targets: list[tuple[str, int]], concurrency: int,
+                hold_s: float, row_s: float) -> dict:
     request = post(CHAT_STREAM)
     window = Window()
     every_first: list[float] = []
     every_total: list[float] = []
-    failed = 0
+    failed: dict[str, int] = {}
     deadline = trio.current_time() + hold_s
 
-    async def client() -> None:
-        nonlocal failed
+    async def client(target: tuple[str, int]) -> None:
         while trio.current_time() < deadline:
             try:
                 with trio.fail_after(STREAM_CAP_S):
-                    first, total = await one_stream(host, port, request)
-            except (OSError, ConnectionError, trio.TooSlowError):
+                    first, total = await one_stream(*target, request)
+            except (OSError, ConnectionError, trio.TooSlowError) as exc:
                 window.failed += 1
-                failed += 1
+                failed[type(exc).__name__] = failed.get(type(exc).__name__, 0) + 1
                 await trio.sleep(0.1)
                 continue
             window.first_s.append(first)
@@ -148,8 +152,8 @@ async def drive(front_pid: int, host: str, port: int, concurrency: int, hold_s: 
         nursery.start_soon(rows)
         async with trio.open_nursery() as clients:
             clients.cancel_scope.deadline = deadline + STREAM_CAP_S
-            for _ in range(concurrency):
-                clients.start_soon(client)
+            for i in range(concurrency):
+                clients.start_soon(client, targets[i % len(targets)])
         nursery.cancel_scope.cancel()
     every_first.extend(window.first_s)
     every_total.extend(window.total_s)
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--hold-s", type=float, default=60.0)
     parser.add_argument("--row-s", type=float, default=10.0)
+    parser.add_argument("--direct", action="store_true", help="clients go straight to the simulators")
     parser.add_argument("--src", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                         help="the checkout the children import gridd from (default: this one)")
     args = parser.parse_args()
@@ -177,13 +182,16 @@ def main() -> None:
     if other_cpu is not None:
         os.sched_setaffinity(0, {other_cpu})
     print(f"# {len(cpus)} CPUs: front on CPU {front_cpu}, simulators and clients on CPU {other_cpu}; "
-          f"{args.concurrency} clients for {args.hold_s:.0f} s, a new connection per stream; backend "
+          f"{args.concurrency} clients {'straight to the simulators' if args.direct else 'through the front'} "
+          f"for {args.hold_s:.0f} s, a new connection per stream; backend "
           f"stream {BACKEND_STREAM_S:.2f} s; src {src}", flush=True)
     sims = [start_child("sim", other_cpu, src, knobs=SIM_KNOBS) for _ in range(2)]
     try:
         front, front_url = start_child("front", front_cpu, src, upstreams=tuple(url for _, url in sims))
         try:
-            result = trio.run(drive, front.pid, *hostport(front_url), args.concurrency, args.hold_s, args.row_s)
+            targets = [hostport(url) for _, url in sims] if args.direct else [hostport(front_url)]
+            result = trio.run(drive, front.pid, *hostport(front_url), targets, args.concurrency, args.hold_s,
+                              args.row_s)
         finally:
             stop_child(front)
     finally:

@@ -6,6 +6,7 @@ Real sockets, so no autojump clock here; every wait is bounded (SDK timeout, fai
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import socket
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import h11
 import httpx
 import openai
 import pytest
@@ -30,7 +32,7 @@ from gridd.gateway.forward import (
     response_headers,
     upstream_target,
 )
-from gridd.gateway.front import FrontLimits, make_front_app, retry_after_seconds
+from gridd.gateway.front import SSE_DONE, FrontLimits, make_front_app, retry_after_seconds
 from gridd.httpserver import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from
@@ -853,3 +855,44 @@ async def test_front_reuses_upstream_connections_and_counts_them(nursery):
     await front.counted(5)
     assert front.sample("gridd_gateway_upstream_requests_sent_total", upstream="provider") == 5
     assert front.sample("gridd_gateway_upstream_connections_opened_total", upstream="provider") == 1
+
+
+async def test_events_that_arrive_together_are_relayed_in_one_send(nursery):
+    # The upstream writes a head and 50 SSE events, each its own HTTP chunk, in one write (as a
+    # backend's events pile up in the socket while the gateway is busy). The front relays them
+    # in one piece: the client sees one chunk, not 50 (one send per event was the old relay).
+    events = [sse(f"t{i}") for i in range(50)] + [SSE_DONE]
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+              + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+
+    async def upstream(stream):
+        request = b""
+        while b"\r\n\r\n" not in request or not request.endswith(b"}"):
+            request += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        await stream.receive_some(65536)  # the gateway closes or reuses; either way, done
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    front = await start_front(nursery, FakeRouter("a", always(local("a", "p", f"http://127.0.0.1:{port}"))))
+    client = h11.Connection(h11.CLIENT)
+    body = json.dumps({"model": MODEL, "stream": True, "messages": []}).encode()
+    host, _, front_port = front.url.removeprefix("http://").rpartition(":")
+    with trio.fail_after(BOUND_S):
+        stream = await trio.open_tcp_stream(host, int(front_port))
+        async with stream:
+            await stream.send_all(client.send(h11.Request(
+                method="POST", target="/v1/chat/completions",
+                headers=[("host", "t"), ("content-type", "application/json"), ("content-length", str(len(body)))]))
+                + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage()))
+            chunks = []
+            while True:
+                event = client.next_event()
+                if event is h11.NEED_DATA:
+                    client.receive_data(await stream.receive_some(65536))
+                elif isinstance(event, h11.Data):
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+    assert b"".join(chunks) == b"".join(events)
+    assert len(chunks) == 1

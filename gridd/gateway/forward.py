@@ -197,8 +197,8 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
         self._stream = stream
         self._pending: list[bytes] = []
         self.before_wait: Callable[[], Awaitable[None]] | None = None
-        """Awaited before a read that would wait for the peer (nothing readable yet): the
-        relay of a response body hands on what it gathered (UpstreamBody.relay)."""
+        """Awaited before each read from the peer: the relay of a response body hands on what
+        it gathered (UpstreamBody.relay)."""
 
     # httpcore's interface carries ``timeout``; it is always None here (requests carry no
     # timeout extension) and ignored: callers bound the exchange with trio scopes (STYLE 3).
@@ -214,7 +214,7 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
                 await self._stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise httpcore.WriteError(repr(exc)) from exc
-        if self.before_wait is not None and not self._socket().is_readable():
+        if self.before_wait is not None:
             await self.before_wait()
         try:
             return await self._stream.receive_some(max_bytes)
@@ -552,11 +552,10 @@ class UpstreamBody:
     async def relay(self, deliver: Callable[[bytes, bool], Awaitable[None]]) -> None:
         """Hand the body to ``deliver(data, last)`` in as few pieces as it arrives in.
 
-        Everything the upstream connection already holds (h11's buffer, and the socket's while
-        it stays readable, up to RELAY_GATHER_BYTES) goes in one call, made just before the
-        connection would wait for the upstream: a stream that arrives one event at a time is
-        relayed one event at a time, a backlog is relayed in one piece, never one send per
-        event. The last call has ``last`` true, with whatever remains (maybe b"").
+        Everything the upstream connection already holds (what one read of up to 64 KiB
+        brought, parsed by h11) goes in one call, made just before the connection reads again:
+        a stream that arrives one event at a time is relayed one event at a time, a backlog
+        (many events in one read) in one piece, never one send per event. The last call has ``last`` true, with whatever remains (maybe b"").
         An upstream failure delivers what arrived before it, then raises UpstreamError
         (stream_broken); whatever ``deliver`` raises passes through unchanged."""
         pending: list[bytes] = []
