@@ -126,7 +126,11 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
                 app = make_front_app(StaticRouter("bench", upstreams), transport, CollectorRegistry(),
                                      rng=random.Random(0))
                 # --bind: a replica sharing the first one's port (SO_REUSEPORT, --replicas).
-                serve = functools.partial(serve_asgi, reuse_port=True) if bind else serve_asgi
+                # The connection cap is raised as in the simulators: streams.py measures
+                # throughput at 1000+ clients reconnecting, not the cap (docs/security.md).
+                serve = functools.partial(serve_asgi, max_connections=8192)
+                if bind:
+                    serve = functools.partial(serve, reuse_port=True)
                 urls = await nursery.start(serve, app, [bind or "127.0.0.1:0"])
                 print(urls[0], flush=True)
                 await trio.sleep_forever()

@@ -86,11 +86,11 @@ def proc_figures(pid: int) -> tuple[float, float, int]:
 
 async def upstream_counts(host: str, port: int) -> tuple[float, float]:
     """(upstream connections opened, upstream requests sent) from the front's /metrics."""
-    with trio.fail_after(CONNECT_CAP_S):
+    text = b""  # a scrape that does not finish in time counts nothing
+    with trio.move_on_after(CONNECT_CAP_S):
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
             await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
-            text = b""
             while data := await stream.receive_some(65536):
                 text += data
     found = {name: sum(float(v) for v in re.findall(rb"^" + name.encode() + rb"\{[^}]*\} (\S+)$", text, re.M))
@@ -113,7 +113,7 @@ async def drive(front_pid: int, host: str, port: int, targets: list[tuple[str, i
             try:
                 with trio.fail_after(STREAM_CAP_S):
                     first, total = await one_stream(*target, request)
-            except (OSError, ConnectionError, trio.TooSlowError) as exc:
+            except (OSError, ConnectionError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 window.failed += 1
                 failed[type(exc).__name__] = failed.get(type(exc).__name__, 0) + 1
                 await trio.sleep(0.1)
