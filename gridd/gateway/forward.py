@@ -356,7 +356,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         if scheme == b"https":
             context = self._ssl_context
             if context is None:
-                context = self._ssl_context = ssl.create_default_context()
+                # httpx's default verification (its CA bundle), built once, on first use.
+                context = self._ssl_context = httpx.create_ssl_context(verify=True, trust_env=False)
             stream = await stream.start_tls(context, server_hostname=name)
         self.opened += 1
         return httpcore.AsyncHTTP11Connection(httpcore.Origin(scheme, host, port), stream)
@@ -470,17 +471,15 @@ def make_upstream_transport(*, verify: ssl.SSLContext | bool = True, max_idle: i
     4 s sits under the usual 5 s server keep-alive (ours, uvicorn's, hypercorn's), so a pooled
     connection is dropped before the server closes it. HTTP/1.1 only; no proxy from the
     environment; no retries. ``verify``: an ssl.SSLContext for the grid CA and the gateway's
-    client certificate when this transport goes to other sites' ingress; True: the system's
-    CAs; False: no verification (tests only).
+    client certificate when this transport goes to other sites' ingress; True: httpx's default
+    verification; False: none (tests only).
     """
     if isinstance(verify, ssl.SSLContext):
         context: ssl.SSLContext | None = verify
     elif verify:
-        context = None  # built on the first https connection: the system's CAs
+        context = None  # built on the first https connection (loading CAs takes a while)
     else:
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+        context = httpx.create_ssl_context(verify=False, trust_env=False)
     return UpstreamTransport(ssl_context=context, max_idle=max_idle, keepalive_expiry_s=keepalive_expiry_s)
 
 
