@@ -115,6 +115,8 @@ async def drive(front_pid: int, host: str, port: int, targets: list[tuple[str, i
                     first, total = await one_stream(*target, request)
             except (OSError, ConnectionError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 window.failed += 1
+                if not failed:
+                    print(f"# first failure: {exc!r}", flush=True)
                 failed[type(exc).__name__] = failed.get(type(exc).__name__, 0) + 1
                 await trio.sleep(0.1)
                 continue
