@@ -896,3 +896,38 @@ async def test_events_that_arrive_together_are_relayed_in_one_send(nursery):
                     break
     assert b"".join(chunks) == b"".join(events)
     assert len(chunks) == 1
+
+
+async def test_upstream_keepalive_counts_from_the_servers_last_bytes_not_from_release(nursery, mock_clock):
+    # A response relayed to a slow client goes back to the pool long after the server sent its
+    # last byte, and the server's keep-alive clock started then: the pool's must too.
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+
+    async def read_then_release_after(seconds: float) -> None:
+        body = json.dumps({"model": MODEL, "messages": []}).encode()
+        response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
+                                       lambda: None)
+        upstream = UpstreamBody(response, target)
+        received = []
+
+        async def keep(data: bytes, last: bool) -> None:
+            received.append(data)
+
+        await upstream.relay(keep)
+        assert b"".join(received)
+        mock_clock.jump(seconds)  # the client is slow to take the last bytes
+        await upstream.aclose()
+
+    try:
+        await read_then_release_after(3.5)  # last bytes at 0, released at 3.5
+        assert transport.idle_count() == 1
+        mock_clock.jump(0.25)
+        assert await transport.close_expired() == 0  # 3.75
+        mock_clock.jump(0.25)
+        assert await transport.close_expired() == 1  # 4.0: 4 s after the last bytes
+        await read_then_release_after(4.0)  # released exactly at expiry: closed, not pooled
+        assert (transport.opened, transport.idle_count()) == (2, 0)
+    finally:
+        await transport.aclose()

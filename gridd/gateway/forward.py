@@ -191,7 +191,7 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
     the whole request into one send() and wakes the upstream once instead of twice. No
     timeouts and no cancel scopes per operation: the front's scopes bound the exchange."""
 
-    __slots__ = ("_stream", "_pending", "before_wait")
+    __slots__ = ("_stream", "_pending", "before_wait", "last_read_at")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
@@ -199,6 +199,8 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
         self.before_wait: Callable[[], Awaitable[None]] | None = None
         """Awaited before each read from the peer: the relay of a response body hands on what
         it gathered (UpstreamBody.relay)."""
+        self.last_read_at = trio.current_time()
+        """When the peer last sent something: the server's keep-alive clock starts about then."""
 
     # httpcore's interface carries ``timeout``; it is always None here (requests carry no
     # timeout extension) and ignored: callers bound the exchange with trio scopes (STYLE 3).
@@ -217,9 +219,11 @@ class _CoalescingStream(httpcore.AsyncNetworkStream):
         if self.before_wait is not None:
             await self.before_wait()
         try:
-            return await self._stream.receive_some(max_bytes)
+            data = await self._stream.receive_some(max_bytes)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.ReadError(repr(exc)) from exc
+        self.last_read_at = trio.current_time()
+        return data
 
     async def aclose(self) -> None:
         self._pending.clear()
@@ -321,10 +325,12 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     whole exchange, and is closed otherwise.
 
     Keep-alive: an idle connection is trusted for ``keepalive_expiry_s`` (below the backends'
-    own keep-alive, so the server never closes a connection we are about to reuse), and never
-    when its socket reads as closed (the server hung up: httpcore's ``has_expired``). Expired
-    connections are closed when the pool is next used (the bottom of each stack is the oldest)
-    and by ``close_expired`` (the gateway calls it every second). No cap on connections: the
+    own keep-alive, so the server never closes a connection we are about to reuse) counted
+    from the last bytes the server sent, which is when the server's own clock starts (a
+    response relayed to a slow client is released well after that), and never when its
+    socket reads as closed (the server hung up: httpcore's ``has_expired``). Expired
+    connections are closed when the pool is next used (the bottom of each stack is the
+    oldest) and by ``close_expired`` (the gateway calls it every second). No cap on connections: the
     pool is never a hidden queue (STYLE 8), it grows to the concurrency the front sees; at most
     ``max_idle`` idle connections are kept per origin.
 
@@ -374,27 +380,39 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 await idle.connection.aclose()
         return await self._connect(*key)
 
-    async def _release(self, key: tuple[bytes, bytes, int], connection: httpcore.AsyncHTTP11Connection) -> None:
-        """After a response closed: keep the connection if the exchange completed, else close it."""
+    async def _release(self, key: tuple[bytes, bytes, int], connection: httpcore.AsyncHTTP11Connection,
+                       stream: Any) -> None:
+        """After a response closed: keep the connection if the exchange completed, else close it.
+        ``stream``: the connection's network stream (the response's ``network_stream``)."""
         if not connection.is_idle():
             return  # httpcore closed it (response cut short, or Connection: close)
         stack = self._idle.setdefault(key, deque())
         now = trio.current_time()
         while stack and stack[0].expires_at <= now:
             await stack.popleft().connection.aclose()
-        if self._closed or len(stack) >= self._max_idle:
+        idle_since = min(now, stream.last_read_at) if isinstance(stream, _CoalescingStream) else now
+        expires_at = idle_since + self._keepalive_expiry_s
+        if self._closed or len(stack) >= self._max_idle or expires_at <= now:
             await connection.aclose()
             return
-        stack.append(_Idle(connection, now + self._keepalive_expiry_s))
+        stack.append(_Idle(connection, expires_at))
 
     async def close_expired(self) -> int:
         """Close every idle connection past its keep-alive; how many were closed."""
         now = trio.current_time()
         closed = 0
-        for stack in self._idle.values():
-            while stack and stack[0].expires_at <= now:
-                await stack.popleft().connection.aclose()
-                closed += 1
+        for key, stack in self._idle.items():
+            # Mostly oldest first, but a response relayed slowly is released late with an
+            # early expiry: look at each one.
+            if any(idle.expires_at <= now for idle in stack):
+                kept: deque[_Idle] = deque()
+                for idle in stack:
+                    if idle.expires_at <= now:
+                        await idle.connection.aclose()
+                        closed += 1
+                    else:
+                        kept.append(idle)
+                self._idle[key] = kept
         return closed
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -414,12 +432,12 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             try:
                 response = await connection.handle_async_request(core_request)
             except BaseException:
-                await self._release(key, connection)  # httpcore closed it already on a failure
+                await self._release(key, connection, None)  # httpcore closed it already on a failure
                 raise
         except _HTTPCORE_ERRORS as exc:
             raise _as_httpx(exc) from exc
         return httpx.Response(status_code=response.status, headers=response.headers,
-                              stream=_ResponseStream(self, key, connection, response.stream),  # type: ignore[arg-type]
+                              stream=_ResponseStream(self, key, connection, response),  # type: ignore[arg-type]
                               extensions=response.extensions)
 
     async def aclose(self) -> None:
@@ -434,14 +452,15 @@ class _ResponseStream(httpx.AsyncByteStream):
     """A pooled response's body: httpcore's errors as httpx's, the connection back to the pool
     (or closed) when the response is closed."""
 
-    __slots__ = ("_pool", "_key", "_connection", "_stream", "_closed")
+    __slots__ = ("_pool", "_key", "_connection", "_stream", "_network_stream", "_closed")
 
     def __init__(self, pool: UpstreamTransport, key: tuple[bytes, bytes, int],
-                 connection: httpcore.AsyncHTTP11Connection, stream: Any) -> None:
+                 connection: httpcore.AsyncHTTP11Connection, response: httpcore.Response) -> None:
         self._pool = pool
         self._key = key
         self._connection = connection
-        self._stream = stream
+        self._stream: Any = response.stream
+        self._network_stream = response.extensions.get("network_stream")
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -458,7 +477,7 @@ class _ResponseStream(httpx.AsyncByteStream):
         try:
             await self._stream.aclose()
         finally:
-            await self._pool._release(self._key, self._connection)
+            await self._pool._release(self._key, self._connection, self._network_stream)
 
 
 def make_upstream_transport(*, verify: ssl.SSLContext | bool = True, max_idle: int = 1024,
