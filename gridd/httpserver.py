@@ -770,7 +770,8 @@ async def _accept_loop(
     connections: trio.Nursery,
 ) -> None:
     # Every connection waiting in the listen queue is taken at each wake-up (up to
-    # _ACCEPT_BATCH): one accept per scheduler pass, as trio's SocketListener does, admits
+    # _ACCEPT_BATCH, and below the connection cap): one accept per scheduler pass, as trio's
+    # SocketListener does, admits
     # about one connection per pass over every busy task, which under a thousand streams
     # left clients queued for tens of seconds (docs/http-serving.md, "Accepting").
     sock = entry.sock
@@ -792,12 +793,17 @@ async def _accept_loop(
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
             # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
             # that has waited longest on its client; if every one is busy in the app, refuse.
-            if entry.open >= limits.max_connections and not entry.evict_oldest_waiting():
+            # At the cap the batch ends: an evicted or refused connection holds its descriptor
+            # until its task runs, so one per pass keeps descriptors at the cap, as before.
+            at_cap = entry.open >= limits.max_connections
+            if at_cap and not entry.evict_oldest_waiting():
                 entry.note_refusal("over the connection cap", trio.current_time())
                 connections.start_soon(_refuse_busy, stream)
-                continue
+                break
             entry.open += 1
             connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
+            if at_cap:
+                break
 
 
 async def _refuse_busy(stream: trio.SocketStream) -> None:
