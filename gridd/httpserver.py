@@ -770,10 +770,10 @@ async def _accept_loop(
     connections: trio.Nursery,
 ) -> None:
     # Every connection waiting in the listen queue is taken at each wake-up (up to
-    # _ACCEPT_BATCH, and below the connection cap): one accept per scheduler pass, as trio's
-    # SocketListener does, admits
-    # about one connection per pass over every busy task, which under a thousand streams
-    # left clients queued for tens of seconds (docs/http-serving.md, "Accepting").
+    # _ACCEPT_BATCH, and below the connection cap). One accept per scheduler pass, as trio's
+    # SocketListener does, admits one connection per pass over every busy task, which under
+    # a thousand streams left clients queued for tens of seconds (docs/http-serving.md,
+    # "Accepting").
     sock = entry.sock
     while True:
         await trio.lowlevel.wait_readable(sock)
@@ -793,17 +793,32 @@ async def _accept_loop(
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
             # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
             # that has waited longest on its client; if every one is busy in the app, refuse.
-            # At the cap the batch ends: an evicted or refused connection holds its descriptor
-            # until its task runs, so one per pass keeps descriptors at the cap, as before.
             at_cap = entry.open >= limits.max_connections
-            if at_cap and not entry.evict_oldest_waiting():
+            admit = not at_cap or entry.evict_oldest_waiting()
+            if not admit:
+                # Connections admitted in this batch have not run yet, so they wait on nothing
+                # yet: let them reach their first wait (where they can be evicted) first.
+                await _after_next_pass()
+                admit = entry.evict_oldest_waiting()
+            if admit:
+                entry.open += 1
+                connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
+            else:
                 entry.note_refusal("over the connection cap", trio.current_time())
                 connections.start_soon(_refuse_busy, stream)
-                break
-            entry.open += 1
-            connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
             if at_cap:
+                # The evicted or refused connection closes in its task's next step, in the
+                # next scheduler pass: take the next connection only after that pass, so
+                # descriptors stay at the cap.
+                await _after_next_pass()
                 break
+
+
+async def _after_next_pass() -> None:
+    """Return once every task made runnable before this call has run a step: tasks woken in
+    this pass run in the next one, in any order, so two checkpoints land after it."""
+    await trio.lowlevel.checkpoint()
+    await trio.lowlevel.checkpoint()
 
 
 async def _refuse_busy(stream: trio.SocketStream) -> None:
