@@ -198,6 +198,10 @@ class ListenConfig(Base):
     metrics: HostPort | None = None
     signals: HostPort | None = None
     http: HostPort | None = None
+    http_reuse_port: bool = False
+    """Bind ``http`` with SO_REUSEPORT, so several gateway processes on one host (replicas,
+    each with its own config and identity) share the front's port and the kernel spreads new
+    connections over them (docs/performance.md, "All cores")."""
 
 
 class OperatorLink(Base):
@@ -475,6 +479,8 @@ def _check_semantics(cfg: Config) -> None:
             fail("replica", "a gateway needs its replica name (its certificate's SAN URI names it)")
     if cfg.role == "operator" and cfg.operator is not None:
         fail("operator", "only a gateway names an operator")
+    if cfg.role == "operator" and cfg.listen.http_reuse_port:
+        fail("listen.http_reuse_port", "only gateways share a port (one operator per site)")
     def check_url(path: str, url: str | None) -> None:
         if url is None:
             return

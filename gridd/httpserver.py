@@ -88,6 +88,10 @@ _READ_BYTES = 64 * 1024
 # accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_S = 0.1
+# accept() errors about one queued connection only (it was reset before we took it): skip it.
+_ACCEPT_GONE_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
+# Most connections taken from the listen queue per wake-up of the accept loop.
+_ACCEPT_BATCH = 256
 # Refusals (connection cap, accept() out of descriptors) are logged at most once per this
 # long per listener, with the count since the last line, so an attack cannot flood the log.
 _REFUSAL_LOG_EVERY_S = 10.0
@@ -133,12 +137,12 @@ def _bound_url(sockname: Any, family: int) -> str:
 
 
 class _Listener:
-    __slots__ = ("listener", "url", "server", "unix_path", "open", "waiting", "refused", "_logged_at")
+    __slots__ = ("sock", "listener", "url", "server", "unix_path", "open", "waiting", "refused", "_logged_at")
 
-    def __init__(
-        self, listener: trio.SocketListener, url: str, server: tuple[Any, Any], unix_path: str | None
-    ):
-        self.listener = listener
+    def __init__(self, sock: socket.socket, url: str, server: tuple[Any, Any], unix_path: str | None):
+        # The listening socket, non-blocking: accepted from directly, in batches (_accept_loop).
+        self.sock = sock
+        self.listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         self.url = url
         self.server = server
         self.unix_path = unix_path
@@ -168,25 +172,55 @@ class _Listener:
             self.refused = {}
 
 
-async def _open_listeners(binds: list[str]) -> list[_Listener]:
+# Listen backlog asked of the kernel (it caps this at net.core.somaxconn).
+_LISTEN_BACKLOG = 65535
+
+
+def _tcp_sockets(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """Bound, listening, non-blocking TCP sockets for every address of ``host`` (as
+    trio.open_tcp_listeners makes them, plus SO_REUSEPORT when asked)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                # Several processes bind the same address; the kernel spreads new connections
+                # over them (docs/performance.md, "All cores").
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(_LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def _open_listeners(binds: list[str], reuse_port: bool = False) -> list[_Listener]:
     opened: list[_Listener] = []
     try:
         for bind in binds:
             kind, host, port = parse_bind(bind)
             if kind == "unix":
-                sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    await sock.bind(host)
-                    sock.listen(socket.SOMAXCONN)
+                    sock.bind(host)
+                    sock.listen(_LISTEN_BACKLOG)
+                    sock.setblocking(False)
                 except BaseException:
                     sock.close()
                     raise
-                opened.append(_Listener(trio.SocketListener(sock), f"unix:{host}", (host, None), host))
+                opened.append(_Listener(sock, f"unix:{host}", (host, None), host))
                 continue
-            for listener in await trio.open_tcp_listeners(port, host=host):
-                sock = listener.socket
+            for sock in await trio.to_thread.run_sync(_tcp_sockets, host, port, reuse_port):
                 name = sock.getsockname()
-                opened.append(_Listener(listener, _bound_url(name, sock.family), (name[0], name[1]), None))
+                opened.append(_Listener(sock, _bound_url(name, sock.family), (name[0], name[1]), None))
     except BaseException:
         await _close_listeners(opened)
         raise
@@ -735,23 +769,56 @@ async def _accept_loop(
     state: _ServerState,
     connections: trio.Nursery,
 ) -> None:
+    # Every connection waiting in the listen queue is taken at each wake-up (up to
+    # _ACCEPT_BATCH, and below the connection cap). One accept per scheduler pass, as trio's
+    # SocketListener does, admits one connection per pass over every busy task, which under
+    # a thousand streams left clients queued for tens of seconds (docs/http-serving.md,
+    # "Accepting").
+    sock = entry.sock
     while True:
-        try:
-            stream = await entry.listener.accept()
-        except OSError as exc:
-            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                raise
-            entry.note_refusal(f"accept() {errno.errorcode.get(exc.errno, exc.errno)}", trio.current_time())
-            await trio.sleep(_ACCEPT_RETRY_S)
-            continue
-        # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
-        # that has waited longest on its client; if every one is busy in the app, refuse.
-        if entry.open >= limits.max_connections and not entry.evict_oldest_waiting():
-            entry.note_refusal("over the connection cap", trio.current_time())
-            connections.start_soon(_refuse_busy, stream)
-            continue
-        entry.open += 1
-        connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
+        await trio.lowlevel.wait_readable(sock)
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                accepted, _ = sock.accept()
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno in _ACCEPT_GONE_ERRNOS:
+                    continue  # the client gave up while queued
+                if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                entry.note_refusal(f"accept() {errno.errorcode.get(exc.errno, exc.errno)}", trio.current_time())
+                await trio.sleep(_ACCEPT_RETRY_S)
+                break
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
+            # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
+            # that has waited longest on its client; if every one is busy in the app, refuse.
+            at_cap = entry.open >= limits.max_connections
+            admit = not at_cap or entry.evict_oldest_waiting()
+            if not admit:
+                # Connections admitted in this batch have not run yet, so they wait on nothing
+                # yet: let them reach their first wait (where they can be evicted) first.
+                await _after_next_pass()
+                admit = entry.evict_oldest_waiting()
+            if admit:
+                entry.open += 1
+                connections.start_soon(_H11Connection(stream, app, limits, state, entry).run)
+            else:
+                entry.note_refusal("over the connection cap", trio.current_time())
+                connections.start_soon(_refuse_busy, stream)
+            if at_cap:
+                # The evicted or refused connection closes in its task's next step, in the
+                # next scheduler pass: take the next connection only after that pass, so
+                # descriptors stay at the cap.
+                await _after_next_pass()
+                break
+
+
+async def _after_next_pass() -> None:
+    """Return once every task made runnable before this call has run a step: tasks woken in
+    this pass run in the next one, in any order, so two checkpoints land after it."""
+    await trio.lowlevel.checkpoint()
+    await trio.lowlevel.checkpoint()
 
 
 async def _refuse_busy(stream: trio.SocketStream) -> None:
@@ -775,9 +842,10 @@ async def _serve_h11(
     *,
     stop_accepting: trio.Event | None,
     limits: _Limits,
+    reuse_port: bool,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
-    listeners = await _open_listeners(binds)
+    listeners = await _open_listeners(binds, reuse_port)
     state = _ServerState()
     try:
         async with trio.open_nursery() as connections:
@@ -946,6 +1014,7 @@ async def serve_asgi(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` (ASGI 3, http scopes only) on `binds` until cancelled or drained.
@@ -960,12 +1029,17 @@ async def serve_asgi(
     stalled that long, or not complete that long after its head, gets 408. max_connections
     (per listener) and max_buffered_bytes (request bodies held across connections): see
     DEFAULT_MAX_CONNECTIONS and DEFAULT_MAX_BUFFERED_BYTES; the hypercorn backend has neither.
+    reuse_port: bind TCP listeners with SO_REUSEPORT, so other processes may serve the same
+    address (h11 backend only).
     """
     limits = _Limits(keep_alive_s, max_body_bytes, max_header_bytes, body_idle_s, body_deadline_s,
                      max_connections, max_buffered_bytes)
     if server == "h11":
-        await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status)
+        await _serve_h11(app, binds, stop_accepting=stop_accepting, limits=limits, reuse_port=reuse_port,
+                         task_status=task_status)
     elif server == "hypercorn":
+        if reuse_port:
+            raise ValueError("reuse_port needs the h11 backend")
         await _serve_hypercorn(
             app, binds, stop_accepting=stop_accepting, limits=limits, task_status=task_status
         )

@@ -119,6 +119,8 @@ providers:
          "strategies[0].provider_selector.performance.q: expected a finite bound, got inf"),
         ("role: operator\nsite: a\nrouting: {strategy_pick_rule: first}\n",
          "routing.strategy_pick_rule: expected one of 'strict', 'two_choices', got 'first'"),
+        ("role: operator\nsite: a\nlisten: {http: '127.0.0.1:8080', http_reuse_port: true}\n",
+         "listen.http_reuse_port: only gateways share a port"),
     ],
 )
 def test_errors_name_the_exact_path(text, message):

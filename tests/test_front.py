@@ -6,6 +6,7 @@ Real sockets, so no autojump clock here; every wait is bounded (SDK timeout, fai
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import socket
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import h11
 import httpx
 import openai
 import pytest
@@ -23,12 +25,14 @@ from prometheus_client import CollectorRegistry
 
 from gridd.core.decisions import PIN_HEADER, Forward, Shed, Unavailable, UnknownModel
 from gridd.gateway.forward import (
+    UpstreamBody,
     make_upstream_transport,
+    open_upstream,
     request_headers,
     response_headers,
     upstream_target,
 )
-from gridd.gateway.front import FrontLimits, make_front_app, retry_after_seconds
+from gridd.gateway.front import SSE_DONE, FrontLimits, make_front_app, retry_after_seconds
 from gridd.httpserver import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from
@@ -776,3 +780,163 @@ async def test_remote_ingress_over_mutual_tls(nursery):
         r = await client.post(f"{other.url}/v1/chat/completions", json={"model": MODEL})
     assert r.status_code == 502
     assert other.sample("gridd_gateway_retries_total", reason="connect") == 1
+
+
+# -- the upstream pool -------------------------------------------------------------------------
+
+
+async def _exchange_once(transport, target) -> None:
+    body = json.dumps({"model": MODEL, "stream": True, "messages": []}).encode()
+    response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
+                                   lambda: None)
+    upstream = UpstreamBody(response, target)
+
+    async def discard(data: bytes, last: bool) -> None:
+        pass
+
+    try:
+        await upstream.relay(discard)
+    finally:
+        await upstream.aclose()
+
+
+async def test_upstream_pool_reuses_connections_and_closes_idle_ones_at_keepalive_expiry(nursery, mock_clock):
+    # Real loopback IO under a clock that moves only when told: 8 concurrent streams open 8
+    # connections, the next 16 requests reuse them, and an idle one is trusted for exactly 4 s.
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+    try:
+        async with trio.open_nursery() as batch:
+            for _ in range(8):
+                batch.start_soon(_exchange_once, transport, target)
+        assert (transport.opened, transport.requests, transport.idle_count()) == (8, 8, 8)
+        async with trio.open_nursery() as batch:
+            for _ in range(8):
+                batch.start_soon(_exchange_once, transport, target)
+        for _ in range(8):
+            await _exchange_once(transport, target)
+        assert (transport.opened, transport.requests, transport.idle_count()) == (8, 24, 8)
+        mock_clock.jump(3.5)
+        assert await transport.close_expired() == 0
+        await _exchange_once(transport, target)  # the most recently used one: trusted until 7.5
+        mock_clock.jump(0.5)
+        assert await transport.close_expired() == 7  # released at 0, expired at 4.0
+        assert (transport.opened, transport.idle_count()) == (8, 1)
+        mock_clock.jump(3.25)
+        await _exchange_once(transport, target)  # 7.25: still trusted; now until 11.25
+        assert transport.opened == 8
+        mock_clock.jump(4.0)
+        await _exchange_once(transport, target)  # 11.25: expired, closed, a new connection
+        assert (transport.opened, transport.idle_count()) == (9, 1)
+    finally:
+        await transport.aclose()
+    assert transport.idle_count() == 0
+
+
+async def test_upstream_pool_drops_a_connection_the_server_closed(nursery):
+    # The server closes idle keep-alive connections after 0.2 s: the pool sees the socket read
+    # as closed and opens a new one, without an error.
+    app = SimApp(knobs_from({"ttft_s": 0.0, "tpot_s": 0.0, "max_tokens": 2}))
+    url = (await nursery.start(lambda task_status: serve_asgi(app, ["127.0.0.1:0"], keep_alive_s=0.2,
+                                                              task_status=task_status)))[0]
+    transport = make_upstream_transport()
+    target = upstream_target(local("a", "p", url), "/v1/chat/completions")
+    try:
+        await _exchange_once(transport, target)
+        await _exchange_once(transport, target)
+        assert transport.opened == 1
+        await trio.sleep(0.4)
+        await _exchange_once(transport, target)
+        assert (transport.opened, transport.requests) == (2, 3)
+    finally:
+        await transport.aclose()
+
+
+async def test_front_reuses_upstream_connections_and_counts_them(nursery):
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    front = await start_front(nursery, FakeRouter("a", always(local("a", "p", sim.url))))
+    async with httpx.AsyncClient(timeout=BOUND_S) as client:
+        for stream in (False, True, False, True, False):
+            r = await client.post(f"{front.url}/v1/chat/completions",
+                                  json={"model": MODEL, "stream": stream, "messages": []})
+            assert r.status_code == 200
+    await front.counted(5)
+    assert front.sample("gridd_gateway_upstream_requests_sent_total", upstream="provider") == 5
+    assert front.sample("gridd_gateway_upstream_connections_opened_total", upstream="provider") == 1
+
+
+async def test_events_that_arrive_together_are_relayed_in_one_send(nursery):
+    # The upstream writes a head and 50 SSE events, each its own HTTP chunk, in one write (as a
+    # backend's events pile up in the socket while the gateway is busy). The front relays them
+    # in one piece: the client sees one chunk, not 50 (one send per event was the old relay).
+    events = [sse(f"t{i}") for i in range(50)] + [SSE_DONE]
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+              + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+
+    async def upstream(stream):
+        request = b""
+        while b"\r\n\r\n" not in request or not request.endswith(b"}"):
+            request += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        await stream.receive_some(65536)  # the gateway closes or reuses; either way, done
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    front = await start_front(nursery, FakeRouter("a", always(local("a", "p", f"http://127.0.0.1:{port}"))))
+    client = h11.Connection(h11.CLIENT)
+    body = json.dumps({"model": MODEL, "stream": True, "messages": []}).encode()
+    host, _, front_port = front.url.removeprefix("http://").rpartition(":")
+    with trio.fail_after(BOUND_S):
+        stream = await trio.open_tcp_stream(host, int(front_port))
+        async with stream:
+            await stream.send_all(client.send(h11.Request(
+                method="POST", target="/v1/chat/completions",
+                headers=[("host", "t"), ("content-type", "application/json"), ("content-length", str(len(body)))]))
+                + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage()))
+            chunks = []
+            while True:
+                event = client.next_event()
+                if event is h11.NEED_DATA:
+                    client.receive_data(await stream.receive_some(65536))
+                elif isinstance(event, h11.Data):
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+    assert b"".join(chunks) == b"".join(events)
+    assert len(chunks) == 1
+
+
+async def test_upstream_keepalive_counts_from_the_servers_last_bytes_not_from_release(nursery, mock_clock):
+    # A response relayed to a slow client goes back to the pool long after the server sent its
+    # last byte, and the server's keep-alive clock started then: the pool's must too.
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+
+    async def read_then_release_after(seconds: float) -> None:
+        body = json.dumps({"model": MODEL, "messages": []}).encode()
+        response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
+                                       lambda: None)
+        upstream = UpstreamBody(response, target)
+        received = []
+
+        async def keep(data: bytes, last: bool) -> None:
+            received.append(data)
+
+        await upstream.relay(keep)
+        assert b"".join(received)
+        mock_clock.jump(seconds)  # the client is slow to take the last bytes
+        await upstream.aclose()
+
+    try:
+        await read_then_release_after(3.5)  # last bytes at 0, released at 3.5
+        assert transport.idle_count() == 1
+        mock_clock.jump(0.25)
+        assert await transport.close_expired() == 0  # 3.75
+        mock_clock.jump(0.25)
+        assert await transport.close_expired() == 1  # 4.0: 4 s after the last bytes
+        await read_then_release_after(4.0)  # released exactly at expiry: closed, not pooled
+        assert (transport.opened, transport.idle_count()) == (2, 0)
+    finally:
+        await transport.aclose()

@@ -136,6 +136,9 @@ class FrontMetrics:
         self.unavailable: dict[str, int] = {}
         self.upstream_latency: dict[str, _Histogram] = {}
         self.first_byte: dict[str, _Histogram] = {}
+        self.pools: dict[str, Any] = {}
+        """Upstream transports by ``upstream`` label (provider, ingress) whose pool_counts()
+        give connections opened and requests sent (forward.UpstreamTransport)."""
 
     def request(self, model: str, site: str, outcome: str) -> None:
         key = (model, site, outcome)
@@ -186,6 +189,18 @@ class FrontMetrics:
         for model, value in list(self.unavailable.items()):
             unavailable.add_metric([model], value)
         yield unavailable
+        opened = CounterMetricFamily(
+            "gridd_gateway_upstream_connections_opened", "Connections opened to upstreams (providers, or other "
+            "sites' ingress); compare with gridd_gateway_upstream_requests_sent for the reuse.",
+            labels=["upstream"])
+        sent = CounterMetricFamily("gridd_gateway_upstream_requests_sent", "Requests sent to upstreams.",
+                                   labels=["upstream"])
+        for upstream, pool in list(self.pools.items()):
+            connections, requests = pool.pool_counts()
+            opened.add_metric([upstream], connections)
+            sent.add_metric([upstream], requests)
+        yield opened
+        yield sent
         for name, doc, hists in (
             ("gridd_gateway_upstream_latency_seconds",
              "From sending a request upstream to its response headers, per site that answered.",
@@ -274,6 +289,9 @@ class FrontApp:
         self.limits = limits
         self.created_unix = created_unix
         self.metrics = FrontMetrics()
+        for upstream, given in (("provider", self.transport), ("ingress", self.ingress_transport)):
+            if hasattr(given, "pool_counts") and given not in self.metrics.pools.values():
+                self.metrics.pools[upstream] = given
         registry.register(self.metrics)
         self._targets: dict[tuple[Any, ...], tuple[Any, UpstreamTarget]] = {}
 
@@ -485,10 +503,10 @@ class FrontApp:
         body byte, then ``stream_idle_s`` after each chunk relayed. Raises a retryable
         UpstreamError only while nothing was sent to the client.
 
-        The head is held until the first body chunk (or the end of an empty body), so a
-        failure before the first byte still gets a clean error. With a Content-Length the last
-        chunk is sent as the end of the response (one write for small answers); the body is
-        still read to its end, so the upstream connection goes back to the pool. A failure
+        The head is held until the first body bytes (or the end of an empty body), so a
+        failure before the first byte still gets a clean error. The body goes on in the pieces
+        UpstreamBody.relay gathers (whatever has arrived, one send each); the last piece ends
+        the response (one write for a small answer). A failure
         after the first byte cuts the client's response: the app returns without finishing it,
         and the server closes the connection (a truncated body, never a hang)."""
         limits = self.limits
@@ -517,7 +535,7 @@ class FrontApp:
                 metrics.observe_upstream_latency(target.site, trio.current_time() - sent_at)
                 upstream = UpstreamBody(response, target)
                 status = response.status_code
-                relayed, left = response_headers(response.headers.raw)
+                relayed, _ = response_headers(response.headers.raw)
                 # Which site and provider answered, `<site>/<provider>`: for clients' logs and the
                 # demo; never read by routing. A remote site's gateway set it first (it picked its
                 # own provider); a local provider's answer cannot name itself.
@@ -526,35 +544,24 @@ class FrontApp:
                     relayed.append((SERVED_BY, f"{target.site}/{target.provider}".encode()))
                 head = {"type": "http.response.start", "status": status, "headers": relayed}
                 idle_s = limits.stream_idle_s
-                while True:
-                    chunk = await upstream.next_chunk()
-                    if chunk is None:
-                        break
-                    more = True
-                    if left >= 0:
-                        left -= len(chunk)
-                        more = left > 0
+
+                async def deliver(data: bytes, last: bool) -> None:
+                    nonlocal phase, head_sent, finished
                     if not head_sent:
                         phase = "idle"
                         await send(head)
                         head_sent = True
                         metrics.observe_first_byte(target.site, trio.current_time() - started)
-                    if not more or chunk.endswith(SSE_DONE):
+                    if last or data.endswith(SSE_DONE):
                         # The client has everything once this goes out (the last byte, or the
                         # OpenAI stream terminator); its hanging up next is not a lost answer.
                         exchange.watching.cancel()
                         exchange.stream_done = True
-                    await send({"type": "http.response.body", "body": chunk, "more_body": more})
-                    finished = not more
+                    await send({"type": "http.response.body", "body": data, "more_body": not last})
+                    finished = last
                     bound.deadline = trio.current_time() + idle_s
-                if not finished:
-                    if not head_sent:
-                        await send(head)
-                        head_sent = True
-                        metrics.observe_first_byte(target.site, trio.current_time() - started)
-                    exchange.watching.cancel()
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    finished = True
+
+                await upstream.relay(deliver)
         except UpstreamError as exc:
             if not head_sent:
                 raise

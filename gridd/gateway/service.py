@@ -35,7 +35,7 @@ from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
-from gridd.gateway.forward import SwappableTransport, make_upstream_transport
+from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
@@ -262,6 +262,7 @@ class GatewayService:
                 self.front_urls = await nursery.start(self._serve_front, app)
             else:
                 self._front_done.set()  # no front: nothing to drain
+            nursery.start_soon(close_expired_forever, (transport, ingress), name="upstream-keepalive")
             # Serving from here on: the poller runs only while the front accepts requests.
             self._serving = True
             nursery.start_soon(self._supervise_poller, name="operator-poller")
@@ -273,7 +274,8 @@ class GatewayService:
     async def _serve_front(self, app, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await serve_asgi(app, [self.config.listen.http], stop_accepting=self._stop_accepting,
-                             task_status=task_status, **http_limits(self.config))
+                             task_status=task_status, reuse_port=self.config.listen.http_reuse_port,
+                             **http_limits(self.config))
         finally:
             self._front_done.set()
 
@@ -394,6 +396,8 @@ class GatewayService:
     async def stage(self, new: LoadedConfig) -> StagedGateway:
         if new.config.listen.http != self.config.listen.http:
             raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
+        if new.config.listen.http_reuse_port != self.config.listen.http_reuse_port:
+            raise GriddError("listen.http_reuse_port: changed; restart gridd to apply", reason="config")
         check_gateway_config(new.config)
         if http_limits(new.config) != http_limits(self.config):
             raise GriddError("limits.http_*: changed; restart gridd to apply", reason="config")
