@@ -253,7 +253,7 @@ class TimingConfig(Base):
 
 class SheddingConfig(Base):
     enabled: bool = False
-    full_after_ms: PositiveInt = 2000
+    full_after_ms: PositiveInt = 5000
     room_after_ms: PositiveInt = 5000
 
 

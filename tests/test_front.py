@@ -70,6 +70,17 @@ class FakeRouter:
     def not_ready_reason(self):
         return None if self.is_ready else "no routing data from the operator: no poll has succeeded yet"
 
+    async def first_routing_data(self):
+        await self.had_data.wait()
+
+    @property
+    def had_data(self) -> trio.Event:
+        if not hasattr(self, "_had_data"):
+            self._had_data = trio.Event()
+            if self.is_ready:
+                self._had_data.set()
+        return self._had_data
+
 
 def always(decision):
     return lambda model, pinned, exclude: decision if model == MODEL else UnknownModel()
@@ -438,6 +449,42 @@ async def test_unavailable_is_503_with_retry_after_not_404(nursery):
     await front.counted(1)
     assert front.sample("gridd_gateway_unavailable_total", model=MODEL) == 1
     assert front.requests("unavailable", site="none") == 1
+
+
+async def test_a_request_before_the_first_routing_data_waits_for_it(nursery):
+    """A gateway just (re)started serves before its first poll lands: the request waits (up
+    to first_data_wait_s) and is decided again on the data, instead of a 503."""
+    asked = trio.Event()
+
+    def rule(model, pinned, exclude):
+        trio.lowlevel.current_trio_token().run_sync_soon(asked.set)
+        if not router.had_data.is_set():
+            return Unavailable(2.0, cause="no_operator_data")
+        return Unavailable(retry_after_s=0.2)
+
+    router = FakeRouter("a", rule)
+    router.is_ready = False
+    front = await start_front(nursery, router, limits=FrontLimits(first_data_wait_s=BOUND_S))
+    async with trio.open_nursery() as inner:
+        async def client():
+            exc = await trio.to_thread.run_sync(expect_error, front, openai.APIStatusError)
+            # decided again once the data came: the model's own answer, not "no routing data"
+            assert exc.status_code == 503 and exc.response.json()["error"]["code"] == "model_unavailable"
+        inner.start_soon(client)
+        with trio.fail_after(BOUND_S):
+            await asked.wait()
+        router.had_data.set()
+    assert len(router.calls) == 2
+
+
+async def test_without_routing_data_the_wait_is_bounded_then_503_names_the_cause(nursery):
+    router = FakeRouter("a", always(Unavailable(2.0, cause="no_operator_data")))
+    router.is_ready = False
+    front = await start_front(nursery, router, limits=FrontLimits(first_data_wait_s=0.2))
+    exc = await trio.to_thread.run_sync(expect_error, front, openai.APIStatusError)
+    assert exc.status_code == 503 and exc.response.json()["error"]["code"] == "no_routing_data"
+    assert "no routing data from the operator" in exc.response.json()["error"]["message"]
+    assert len(router.calls) == 1  # the data never came: no second decision
 
 
 async def test_every_site_over_the_strategys_bounds_is_a_503_that_says_so(nursery):

@@ -31,10 +31,10 @@ def shedding_state(start: float = 100.0) -> ShedState:
 
 def test_defaults() -> None:
     state = ShedState()
-    assert (DEFAULT_FULL_AFTER_MS, DEFAULT_ROOM_AFTER_MS) == (2000, 5000)
+    assert (DEFAULT_FULL_AFTER_MS, DEFAULT_ROOM_AFTER_MS) == (5000, 5000)
     full(state, 0.0)
-    assert not state.shedding(2.0 - EPS)
-    assert state.shedding(2.0)
+    assert not state.shedding(5.0 - EPS)
+    assert state.shedding(5.0)
 
 
 def test_sheds_exactly_full_after_s_into_a_full_run() -> None:

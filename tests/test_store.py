@@ -317,7 +317,7 @@ def test_knob_defaults():
     assert RoutingKnobs() == RoutingKnobs(
         signal_ttl_s=20.0, future_epoch_bound_s=600.0, capacity_floor=1.0, rho_smoothing=0.5, recent_window_s=10.0,
         unit_capacity=8.0, evidence_window_s=60.0, pick_rule="two_choices", pending_weight=4.0,
-        candidate_retention_s=600.0, shedding=False, full_after_s=2.0, room_after_s=5.0)
+        candidate_retention_s=600.0, shedding=False, full_after_s=5.0, room_after_s=5.0)
     assert RoutingKnobs(unit_capacity=3.0).learner_args() == {
         "floor": 1.0, "alpha": 0.5, "recent_window_s": 10.0, "unit_capacity": 3.0, "evidence_window_s": 60.0}
 

@@ -42,6 +42,7 @@ from gridd.core.publication import ProviderPublisher
 from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
+FIRST_DATA_WAIT_S = 2.0  # gridd.gateway.front.FrontLimits.first_data_wait_s
 MODEL = "sim-model"
 PROVIDER = "pool"
 WALL_EPOCH = 1_900_000_000.0  # the simulated wall clock starts here (monotonic 0)
@@ -304,12 +305,14 @@ class GriddPolicy(Policy):
         w = self.world
         own = w.sites[w.gateway_site[self.gateway]].name
         self.store = GatewayStore(site=own, knobs=RoutingKnobs(**w.gridd_knobs.store))
+        self.had_data = False
         self.store.set_serving(ServingConfig(
             providers=(LocalProvider(provider=PROVIDER, model=MODEL, endpoint_url=f"http://{own}"),),
             ingresses=tuple(SiteIngress(s.name, f"https://{s.name}") for s in w.sites if s.name != own)))
 
     def ingest(self, batches: list[Batch], now: float) -> None:
         self.store.ingest(batches, now=now, now_wall=WALL_EPOCH + now)
+        self.had_data = self.had_data or self.store.has_routing_data(now)
 
     def choose(self, now: float) -> int | str:
         decision = self.store.decide(MODEL, now=now, rng=self.rng)
@@ -318,6 +321,10 @@ class GriddPolicy(Policy):
         if isinstance(decision, Shed):
             return "429"
         if isinstance(decision, Unavailable):
+            # The front holds a request that comes before the gateway's first routing data
+            # (FrontLimits.first_data_wait_s) instead of answering 503 at once.
+            if decision.cause == "no_operator_data" and not self.had_data:
+                return "wait"
             return "503"
         assert isinstance(decision, UnknownModel)
         return "404"
@@ -627,9 +634,14 @@ class World:
             self.result.completed += 1
 
     def _arrive(self, now: float, a: Arrival, rid: int) -> None:
-        req = Request(rid, now, a.prefill_s, a.decode_s, a.kv_tokens, a.gateway)
+        req = Request(rid, a.at, a.prefill_s, a.decode_s, a.kv_tokens, a.gateway)
         choice = self.policies[a.gateway].choose(now)
-        measured = now >= self.cell.warmup_s
+        measured = a.at >= self.cell.warmup_s
+        if choice == "wait":
+            if now - a.at < FIRST_DATA_WAIT_S:
+                self._at(now + 0.05, lambda t, a=a, rid=rid: self._arrive(t, a, rid), prio=2)
+                return
+            choice = "503"
         if isinstance(choice, str):
             if measured:
                 if choice == "429":

@@ -40,7 +40,7 @@ from gridd.core.ordering import CandidateView, OrderedSnapshot, build_snapshot, 
 from gridd.core.pending import DEFAULT_PENDING_WEIGHT, RecentSends
 from gridd.core.readings import LoadSignals
 from gridd.core.selection import ExtraRho, Full, NoCandidates, NoneHealthy, PickRule, Route, pick
-from gridd.core.shedding import ShedState
+from gridd.core.shedding import DEFAULT_FULL_AFTER_MS, DEFAULT_ROOM_AFTER_MS, ShedState
 from gridd.core.strategy import AllDropped, StrategyTable, Values, fresh_values, strategy_pick
 from gridd.wire import Batch, ServingConfig
 
@@ -70,8 +70,8 @@ class RoutingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     pending_weight: float = DEFAULT_PENDING_WEIGHT
     candidate_retention_s: float = 600.0
     shedding: bool = False
-    full_after_s: float = 2.0
-    room_after_s: float = 5.0
+    full_after_s: float = DEFAULT_FULL_AFTER_MS / 1000
+    room_after_s: float = DEFAULT_ROOM_AFTER_MS / 1000
     strategies: StrategyTable = StrategyTable()
     """Per model, the strategy that filters and ranks on probe metadata (none by default)."""
 

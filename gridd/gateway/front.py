@@ -93,6 +93,10 @@ class FrontLimits:
     """Between two body chunks relayed (either side stalling); the stream is then cut."""
     upstream_retry_after_s: float = 1.0
     """Retry-After hint for 502/504 when no decision gave one."""
+    first_data_wait_s: float = 2.0
+    """A request that comes before the gateway's first routing data (just started or
+    restarted: its first poll is under way) waits this long for it before its 503; once the
+    gateway has had data, a 503 for lost data is answered at once."""
 
 
 def retry_after_seconds(retry_after_s: float, rng: random.Random) -> int:
@@ -405,6 +409,13 @@ class FrontApp:
             return
 
         decision = self.router.decide(model, pinned_site=pin)
+        if isinstance(decision, Unavailable) and decision.cause == "no_operator_data":
+            # A restarted gateway serves before its first poll lands: wait for it (bounded)
+            # rather than turn away the first second of traffic. The wait ends at once when
+            # the gateway has had data before (then the data is lost, and the 503 is right).
+            with trio.move_on_after(self.limits.first_data_wait_s):
+                await self.router.first_routing_data()
+                decision = self.router.decide(model, pinned_site=pin)
         match decision:
             case Forward():
                 exchange = _Exchange(decision.site)

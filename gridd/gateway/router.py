@@ -35,3 +35,8 @@ class Router(Protocol):
     def not_ready_reason(self) -> str | None:
         """Why ``ready()`` is false, for people (the /readyz body, gridctl status)."""
         ...
+
+    async def first_routing_data(self) -> None:
+        """Return once the gateway has held routing data at least once since it started
+        (at once if it has). The caller bounds the wait."""
+        ...

@@ -120,6 +120,11 @@ class StoreRouter:
         self.rng = rng
         self.site = store.site
         self._serving = serving
+        self.had_routing_data = trio.Event()
+        """Set at the first ingest that brought routing data (see the service's poll)."""
+
+    async def first_routing_data(self) -> None:
+        await self.had_routing_data.wait()
 
     def decide(self, model: str, *, pinned_site: str | None = None,
                exclude: frozenset[tuple[str, str]] = frozenset()) -> Decision:
@@ -341,6 +346,8 @@ class GatewayService:
                     # fold, so no cancellation can come between them.
                     fences = self.store.fences
                     self.reporter.observe(fences.drops()["skew"], fences.skew_evidence())
+                    if self.store.has_routing_data(now):
+                        self.router.had_routing_data.set()
                 elif isinstance(reply, Error):
                     failure, detail = "refused", f"operator refused: {reply.reason}: {reply.detail}"
         # The operator link: one line per change (up, down with the failure class, down for
