@@ -94,9 +94,12 @@ class Processes:
         finally:
             self.stop_all()
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """``prefix`` goes before the command, e.g. ``ip netns exec NS`` (which execs it, so
+        the pid is gridd's own)."""
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
                                 env=None if env is None else {**os.environ, **env})
         log.close()
         self.procs[name] = proc
