@@ -121,8 +121,8 @@ class Grid:
     certs: Path
     # Per process name (sim-a, op-a, gw-a, ...): extra environment, e.g. a clock offset.
     env: dict[str, dict[str, str]] = field(default_factory=dict)
-    # Per site: the peer URL host:port its operator dials for the other site (a proxy's).
-    peer_via: dict[str, str] = field(default_factory=dict)
+    # Site a's operator dials site b's through a DelayProxy in a's namespace (``self.proxy``).
+    proxied_peer_link: bool = False
     sim_args: tuple[str, ...] = ("--endpoints", "2", "--max-seqs", "8", "--ttft-s", "0.02", "--tpot-s", "0.01")
 
     def __post_init__(self) -> None:
@@ -131,12 +131,15 @@ class Grid:
         self.bridge_ns = f"{_NS_PREFIX}{self.tag}-br"
         self.procs = Processes(self.dir)
         self._made: list[str] = []
+        self.proxy: DelayProxy | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def __enter__(self) -> Grid:
         try:
             self._network()
+            if self.proxied_peer_link:
+                self.proxy = DelayProxy(self.ns["a"], (ADDR["b"], OP_SIGNALS))
             self._configs()
             for site in SITES:
                 self.start("sim", site)
@@ -153,6 +156,8 @@ class Grid:
         try:
             self.procs.__exit__(exc_type, exc, tb)
         finally:
+            if self.proxy is not None:
+                self.proxy.close()
             for name in reversed(self._made):
                 subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
             self._made.clear()
@@ -185,7 +190,7 @@ class Grid:
         shutil.copytree(self.certs, self.dir / "certs", dirs_exist_ok=True)
         for site in SITES:
             other = "b" if site == "a" else "a"
-            peer = self.peer_via.get(site, f"{ADDR[other]}:{OP_SIGNALS}")
+            peer = f"127.0.0.1:{self.proxy.port}" if self.proxy and site == "a" else f"{ADDR[other]}:{OP_SIGNALS}"
             (self.dir / f"op-{site}.yaml").write_text(f"""
 role: operator
 site: {site}
@@ -358,3 +363,96 @@ def free_port_in(netns: str) -> int:
     with inside(netns), socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_signal(grid: Grid, gateway_site: str, site: str, signal: str, since: float, bound_s: float) -> float:
+    """Wait until gateway ``gateway_site`` holds ``site``'s candidate in ``signal`` state;
+    the seconds since ``since``, asserted within ``bound_s``."""
+    wait_until(lambda: grid.candidates(gateway_site)[site]["signal"] == signal,
+               f"gateway {gateway_site} holding {site} {signal}", deadline_s=bound_s + 5)
+    elapsed = time.monotonic() - since
+    assert elapsed <= bound_s, f"gateway {gateway_site} saw {site} {signal} after {elapsed:.1f} s > {bound_s} s"
+    return elapsed
+
+
+class DelayProxy:
+    """A TCP proxy in namespace ``netns`` (127.0.0.1, a free port) to ``target``; every chunk
+    reaches the other side ``delay_s`` after it was read (a slow link: latency, not a
+    throughput cap). ``delay_s`` may change while it runs. Threads, all joined by ``close``."""
+
+    def __init__(self, netns: str, target: tuple[str, int]) -> None:
+        self.netns, self.target, self.delay_s = netns, target, 0.0
+        self.port = free_port_in(netns)
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        ready = threading.Event()
+        self._spawn(self._accept_loop, ready)
+        ready.wait(10)
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept_loop(self, ready: threading.Event) -> None:
+        _setns(f"/var/run/netns/{self.netns}")
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.2)
+        ready.set()
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            self._socks += [client, upstream]
+            self._spawn(self._pump, client, upstream)
+            self._spawn(self._pump, upstream, client)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        import queue
+
+        chunks: queue.Queue = queue.Queue()
+
+        def sender() -> None:
+            while True:
+                due, data = chunks.get()
+                if data is None:
+                    break
+                time.sleep(max(0.0, due - time.monotonic()))
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+        self._spawn(sender)
+        src.settimeout(0.5)
+        while not self._closed.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.put((time.monotonic() + self.delay_s, data))
+        chunks.put((0.0, None))
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in [*self._socks, *([self._listener] if self._listener else [])]:
+            with contextlib.suppress(OSError):
+                s.close()
+        for t in self._threads:
+            t.join(timeout=5)
