@@ -21,7 +21,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def fault_certs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fault-certs")
-    issue_certs(directory)
+    # Issued 20 minutes back: the skew scenario's gateway runs 11 minutes behind.
+    issue_certs(directory, issued_ago_s=1200)
     return directory
 
 

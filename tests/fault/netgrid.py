@@ -100,16 +100,22 @@ def remove_leftovers() -> None:
             subprocess.run(["ip", "netns", "del", name[0]], capture_output=True, timeout=10)
 
 
-def issue_certs(directory: Path) -> None:
-    """A grid CA and a leaf per host of the two sites (`gridd certs`)."""
+def issue_certs(directory: Path, *, issued_ago_s: float = 0.0) -> None:
+    """A grid CA and a leaf per host of the two sites (`gridd certs`), issued as if
+    ``issued_ago_s`` ago (a host whose clock runs behind still finds them valid)."""
+    import types
+    from unittest import mock
+
+    import gridd.certs
+
     commands = [["init"]]
     for site in SITES:
         commands += [["issue", "--site", site, "--role", "operator"],
                      ["issue", "--site", site, "--role", "gateway", "--replica", "g1"]]
-    for args in commands:
-        done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0], str(directory), *args[1:]],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+    clock = types.SimpleNamespace(time=lambda: time.time() - issued_ago_s)
+    with mock.patch.object(gridd.certs, "time", clock), contextlib.redirect_stdout(None):
+        for args in commands:
+            assert gridd.certs.main([args[0], str(directory), *args[1:]]) == 0, args
 
 
 @dataclass
@@ -123,6 +129,8 @@ class Grid:
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     # Site a's operator dials site b's through a DelayProxy in a's namespace (``self.proxy``).
     proxied_peer_link: bool = False
+    # The gateways that must hold both sites fresh before the grid is handed over.
+    converge: tuple[str, ...] = SITES
     sim_args: tuple[str, ...] = ("--endpoints", "2", "--max-seqs", "8", "--ttft-s", "0.02", "--tpot-s", "0.01")
 
     def __post_init__(self) -> None:
@@ -255,7 +263,7 @@ timings: {TIMINGS}
 
     def wait_converged(self, deadline_s: float = 60.0) -> None:
         """Both gateways hold both sites fresh and ready, and answer /readyz."""
-        for site in SITES:
+        for site in self.converge:
             wait_until(lambda site=site: all(c["signal"] == "fresh" and c["ready"] and not c["excluded"]
                                              for c in self.candidates(site).values())
                        and len(self.candidates(site)) == 2, f"gateway {site} holding both sites fresh",
