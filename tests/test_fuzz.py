@@ -34,7 +34,6 @@ from gridd.config import parse_config
 from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.exposition import parse_exposition
 from gridd.errors import ConfigError
-from gridd.gateway.forward import make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
 

@@ -52,7 +52,7 @@ def test_a_cut_link_sorts_the_other_site_last_then_excludes_it_and_it_rejoins(ma
         cut = time.monotonic()
         grid.cut("b")
         stale_a = wait_signal(grid, "a", "b", "stale", cut, STALE_BOUND_S)
-        stale_b = wait_signal(grid, "b", "a", "stale", cut, STALE_BOUND_S)
+        wait_signal(grid, "b", "a", "stale", cut, STALE_BOUND_S)
         silent_a = wait_signal(grid, "a", "b", "silent", cut, SILENT_BOUND_S)
         assert grid.candidates("a")["b"]["excluded"] == "silent"
         wait_signal(grid, "b", "a", "silent", cut, SILENT_BOUND_S)

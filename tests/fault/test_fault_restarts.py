@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from netgrid import SITES, TTL_S, Load, series, total
+from netgrid import SITES, Load, series, total
 from realproc import wait_until
 
 pytestmark = pytest.mark.realproc
