@@ -96,6 +96,7 @@ def client_main(argv: list[str]) -> int:
     import trio
 
     minutes: dict[int, dict] = {}
+    seen_errors: set[str] = set()
 
     def bucket(t: float) -> dict:
         m = int((t - args.start) // 60)
@@ -136,6 +137,10 @@ def client_main(argv: list[str]) -> int:
                 kind = "connect"
             except httpx.HTTPError as exc:
                 kind = type(exc).__name__
+                message = f"{kind}: {exc}"
+                if message not in seen_errors and len(seen_errors) < 50:  # the client log says what each was
+                    seen_errors.add(message)
+                    print(f"{time.time() - args.start:.1f} s: {message}", file=sys.stderr, flush=True)
             now = time.time()
             b = bucket(now)
             b["kinds"][kind] = b["kinds"].get(kind, 0) + 1
