@@ -151,7 +151,10 @@ def client_main(argv: list[str]) -> int:
                 await trio.sleep(0.2)  # a designed 503 asks to come back later; no hot loop
 
     async def main() -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.workers)
+        # Idle connections expire on the client well before the gateway's 5 s keep-alive ends
+        # them (DEFAULT_KEEP_ALIVE_S): reusing one the server is closing at that moment fails
+        # with "Server disconnected without sending a response".
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.workers, keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits) as client, \
                 trio.open_nursery() as nursery:
             for i in range(args.workers):
@@ -172,8 +175,8 @@ def client_main(argv: list[str]) -> int:
 
 
 class Grid:
-    def __init__(self, ws: pathlib.Path, sim_args: list[str]) -> None:
-        self.ws, self.sim_args = ws, sim_args
+    def __init__(self, ws: pathlib.Path, sim_args: list[str], max_connections: int) -> None:
+        self.ws, self.sim_args, self.max_connections = ws, sim_args, max_connections
         self.p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b"], free_ports(6), strict=True))
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -215,6 +218,7 @@ control_socket: run/gw-{site}.sock
 state_dir: state/gw-{site}
 operator: {{url: "wss://127.0.0.1:{p[f'sig-{site}']}/signals"}}
 availability: {{shedding: {{enabled: true}}}}
+limits: {{http_max_connections: {self.max_connections}}}
 """)
 
     def start(self, name: str) -> None:
@@ -292,6 +296,12 @@ def main(argv: list[str]) -> int:
     # (16 tokens at 2.5 s: about 40 s a stream, 25 requests/s, 400 chunks/s in all).
     parser.add_argument("--sim", default="--endpoints 8 --max-seqs 96 --ttft-s 0.5 --tpot-s 2.5",
                         help="gridd sim flags of both backends")
+    # Each gateway's front holds its own clients' connections and the other gateway's pooled
+    # ingress connections: 1000 streams overflow the 1024 default, and an evicted keep-alive
+    # connection that a client reuses at that moment fails ("Server disconnected without
+    # sending a response"; docs/reliability.md).
+    parser.add_argument("--http-max-connections", type=int, default=4096,
+                        help="gateways' limits.http_max_connections")
     parser.add_argument("--workspace", help="keep configs and logs here (default: a temporary directory)")
     parser.add_argument("--out", help="write the per-minute records as JSON here")
     args = parser.parse_args(argv)
@@ -300,7 +310,7 @@ def main(argv: list[str]) -> int:
 
     ws = pathlib.Path(args.workspace or tempfile.mkdtemp(prefix="gridd-soak-"))
     ws.mkdir(parents=True, exist_ok=True)
-    grid = Grid(ws, args.sim.split())
+    grid = Grid(ws, args.sim.split(), args.http_max_connections)
     clients: list[subprocess.Popen] = []
     records: list[dict] = []
     events: list[str] = []
