@@ -46,6 +46,16 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def series(text: str, family: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """Samples of ``family`` in a Prometheus exposition whose labels include ``labels``."""
+    found = []
+    for m in re.finditer(rf"^{family}(?:\{{([^}}]*)\}})? (\S+)", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            found.append((have, float(m.group(2))))
+    return found
+
+
 def wait_until(check, what: str, deadline_s: float = 30.0):
     """Poll ``check`` until it returns something truthy (returned), bounded by deadline_s.
     HTTP, OS and ValueError failures count as "not yet"."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from realproc import Processes, gridctl_status, wait_until
+from realproc import Processes, gridctl_status, series, wait_until
 
 CLONE_NEWNET = 0x40000000
 SITES = ("a", "b")
@@ -270,16 +270,6 @@ timings: {TIMINGS}
                        deadline_s=deadline_s)
             wait_until(lambda site=site: self.get(site, f"http://127.0.0.1:{GW_HTTP}/readyz").status_code == 200,
                        f"gateway {site} ready", deadline_s=deadline_s)
-
-
-def series(text: str, family: str, **labels: str) -> list[tuple[dict[str, str], float]]:
-    """Samples of ``family`` whose labels include ``labels``: (labels, value)."""
-    found = []
-    for m in re.finditer(rf"^{family}(?:\{{([^}}]*)\}})? (\S+)", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            found.append((have, float(m.group(2))))
-    return found
 
 
 def total(text: str, family: str, **labels: str) -> float:
