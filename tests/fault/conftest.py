@@ -5,7 +5,8 @@ fuzz-free load); see docs/reliability.md."""
 from __future__ import annotations
 
 import pytest
-from netgrid import Grid, issue_certs, unavailable_reason
+
+from fault.netgrid import Grid, issue_certs, unavailable_reason
 
 _REASON = unavailable_reason()
 

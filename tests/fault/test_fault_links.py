@@ -15,8 +15,9 @@ import signal
 import time
 
 import pytest
-from netgrid import TTL_S, Load, series, wait_signal
 from realproc import wait_until
+
+from fault.netgrid import TTL_S, Load, series, wait_signal
 
 pytestmark = pytest.mark.realproc
 

@@ -21,8 +21,9 @@ import time
 
 import httpx
 import pytest
-from netgrid import SIM_PORT, Load, inside, total
 from realproc import wait_until
+
+from fault.netgrid import SIM_PORT, Load, inside, total
 
 pytestmark = pytest.mark.realproc
 

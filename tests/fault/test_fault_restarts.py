@@ -11,8 +11,9 @@ import signal
 import time
 
 import pytest
-from netgrid import SITES, Load, series, total
 from realproc import wait_until
+
+from fault.netgrid import SITES, Load, series, total
 
 pytestmark = pytest.mark.realproc
 
