@@ -57,6 +57,7 @@ def client_main(argv: list[str]) -> int:
     parser.add_argument("--until", type=float, required=True, help="wall-clock end (unix s)")
     parser.add_argument("--start", type=float, required=True, help="wall-clock start of minute 0")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--own-connection", action="store_true", help="a client (one pool) per worker")
     args = parser.parse_args(argv)
 
     import httpx
@@ -77,7 +78,14 @@ def client_main(argv: list[str]) -> int:
                               "p50": pct(lat, 0.5), "p90": pct(lat, 0.9), "p99": pct(lat, 0.99),
                               "ttfb_p50": pct(ttfb, 0.5), "ttfb_p99": pct(ttfb, 0.99)}), flush=True)
 
-    async def one(client: httpx.AsyncClient, i: int) -> None:
+    async def one(shared: httpx.AsyncClient, i: int) -> None:
+        if args.own_connection:
+            async with httpx.AsyncClient(base_url=args.url, timeout=None) as own:
+                await run(own, i)
+        else:
+            await run(shared, i)
+
+    async def run(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL, "stream": True, "max_tokens": args.max_tokens,
                 "messages": [{"role": "user", "content": f"soak {i}"}]}
         while time.time() < args.until:
@@ -268,6 +276,12 @@ def main(argv: list[str]) -> int:
     # keep-alive connections are evicted. The soak measures the grid, not that cap.
     parser.add_argument("--http-max-connections", type=int, default=4096,
                         help="gateways' limits.http_max_connections")
+    # Like a fleet of independent clients, each stream worker has its own httpx client. One pool
+    # shared by 500 trio tasks (--no-client-per-worker) makes ~1% client-side failures of its
+    # own at 1000 streams ("Server disconnected without sending a response", "this socket was
+    # already closed"), none with a client per worker (docs/reliability.md).
+    parser.add_argument("--client-per-worker", action=argparse.BooleanOptionalAction, default=True,
+                        help="each stream worker its own httpx client (default)")
     parser.add_argument("--workspace", help="keep configs and logs here (default: a temporary directory)")
     parser.add_argument("--out", help="write the per-minute records as JSON here")
     args = parser.parse_args(argv)
@@ -297,7 +311,7 @@ def main(argv: list[str]) -> int:
             clients.append(subprocess.Popen(
                 [sys.executable, __file__, "client", "--url", f"http://127.0.0.1:{grid.p[f'gw-{site}']}",
                  "--workers", str(args.concurrency // 2), "--until", str(until), "--start", str(start),
-                 "--max-tokens", str(args.max_tokens)], stdout=out, stderr=open(ws / f"client-{site}.log", "ab")))  # noqa: SIM115
+                 "--max-tokens", str(args.max_tokens), *(["--own-connection"] if args.client_per_worker else [])], stdout=out, stderr=open(ws / f"client-{site}.log", "ab")))  # noqa: SIM115
             out.close()
         print(f"soak: {args.minutes:g} min, {args.concurrency} streams in flight, workspace {ws}", flush=True)
         print("minute  req/s   ok  designed errors           p50_s  p99_s  ttfb_p99  "
