@@ -39,7 +39,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from abuse import free_ports, open_fds, pct, rss_mb  # noqa: E402 - the benchmarks' shared helpers
+from abuse import free_ports, open_fds, pct, rss_mb, wait_for  # noqa: E402 - the benchmarks' shared helpers
 
 MODEL = "soak-model"
 REQUEST_BOUND_S = 120.0
@@ -238,27 +238,13 @@ limits: {{http_max_connections: {self.max_connections}}}
         self.procs.pop(f"sim-{site}").kill()
         self.start(f"sim-{site}")
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{self.p[f'sim-{site}']}/health", timeout=2).status_code == 200,
-                 f"sim-{site} back", 30)
+                 f"sim-{site} back", time.monotonic() + 30)
         return time.monotonic() - began
 
     def ready(self, site: str) -> bool:
         import httpx
 
         return httpx.get(f"http://127.0.0.1:{self.p[f'gw-{site}']}/readyz", timeout=2).status_code == 200
-
-
-def wait_for(check, what: str, bound_s: float) -> None:
-    import httpx
-
-    end = time.monotonic() + bound_s
-    while time.monotonic() < end:
-        try:
-            if check():
-                return
-        except (httpx.HTTPError, OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{what}: not within {bound_s} s")
 
 
 def main(argv: list[str]) -> int:
@@ -300,7 +286,7 @@ def main(argv: list[str]) -> int:
         for name in ("sim-a", "sim-b", "op-a", "op-b", "gw-a", "gw-b"):
             grid.start(name)
         for site in ("a", "b"):
-            wait_for(lambda site=site: grid.ready(site), f"gateway {site} ready", 60)
+            wait_for(lambda site=site: grid.ready(site), f"gateway {site} ready", time.monotonic() + 60)
         time.sleep(3)  # both sites' readings at both gateways
 
         start = time.time()
