@@ -46,6 +46,16 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def series(text: str, family: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """Samples of ``family`` in a Prometheus exposition whose labels include ``labels``."""
+    found = []
+    for m in re.finditer(rf"^{family}(?:\{{([^}}]*)\}})? (\S+)", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            found.append((have, float(m.group(2))))
+    return found
+
+
 def wait_until(check, what: str, deadline_s: float = 30.0):
     """Poll ``check`` until it returns something truthy (returned), bounded by deadline_s.
     HTTP, OS and ValueError failures count as "not yet"."""
@@ -94,9 +104,12 @@ class Processes:
         finally:
             self.stop_all()
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """``prefix`` goes before the command, e.g. ``ip netns exec NS`` (which execs it, so
+        the pid is gridd's own)."""
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
                                 env=None if env is None else {**os.environ, **env})
         log.close()
         self.procs[name] = proc

@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from realproc import PEERED_OPERATOR, Processes, free_ports, wait_until
+from realproc import PEERED_OPERATOR, Processes, free_ports, series, wait_until
 
 pytestmark = pytest.mark.realproc
 
@@ -92,15 +92,6 @@ def certs(directory) -> None:
         done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0], str(directory / "certs"), *args[1:]],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-
-
-def series(text: str, family: str, **labels: str) -> list[tuple[dict[str, str], float]]:
-    found = []
-    for m in re.finditer(rf"^{family}(?:\{{([^}}]*)\}})? (\S+)", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            found.append((have, float(m.group(2))))
-    return found
 
 
 def a_epoch_at_b(text: str) -> int | None:

@@ -636,6 +636,50 @@ async def test_connect_failure_is_retried_once_on_the_next_candidate(nursery):
     assert front.requests("ok", site="a") == 1
 
 
+class ConnectsLate(httpx.AsyncBaseTransport):
+    """Requests to ``late_url`` get their connection only after the front's connect bound has
+    passed, and the task does not get to a checkpoint meanwhile (a starved event loop: the
+    shielded sleep); then the trace says the request is going out, and no answer ever comes.
+    Everything else goes to ``inner``."""
+
+    def __init__(self, late_url: str, inner: httpx.AsyncBaseTransport, late_s: float) -> None:
+        self.late_url, self.inner, self.late_s = late_url, inner, late_s
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not str(request.url).startswith(self.late_url):
+            return await self.inner.handle_async_request(request)
+        with trio.CancelScope(shield=True):
+            await trio.sleep(self.late_s)
+        await request.extensions["trace"]("http11.send_request_headers.started", {})
+        await trio.sleep(60)
+        raise AssertionError("the front's bound should have ended this request")
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_connection_ready_after_the_connect_bound_fired_is_a_connect_timeout_and_retried(nursery):
+    """Soak finding (docs/reliability.md): under load a connection can become ready just after
+    the connect bound fired but before the cancellation reached the task. The front then moved
+    to the headers phase with the cancellation already pending, answered 504 `header_timeout`
+    (naming the 300 s bound that never ran) and never retried. It is a connect timeout."""
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    late = local("a", "late", "http://192.0.2.1:9")  # never dialled: the transport stands in
+    good = local("a", "good", sim.url)
+    router = FakeRouter("a", lambda model, pinned, exclude: good if exclude else late)
+    registry = CollectorRegistry()
+    async with ConnectsLate("http://192.0.2.1:9", make_upstream_transport(), late_s=0.4) as transport:
+        app = make_front_app(router, transport, registry, rng=random.Random(SEED),
+                             limits=FrontLimits(connect_s=0.2), created_unix=1_700_000_000)
+        url = await start_app(nursery, app)
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            r = await client.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-gridd-served-by"] == "a/good"
+    assert router.calls == [(MODEL, None, frozenset()), (MODEL, None, frozenset({("a", "late")}))]
+    assert registry.get_sample_value("gridd_gateway_retries_total", {"reason": "connect_timeout"}) == 1
+
+
 async def test_5xx_before_the_first_byte_is_retried_and_streams_from_the_next(nursery):
     failing = await start_sim(nursery, status_5xx=500)
     sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)

@@ -530,6 +530,11 @@ class FrontApp:
 
         def on_connected() -> None:
             nonlocal phase
+            if bound.cancel_called:
+                # The connect bound fired before this task saw it (a loaded event loop): moving
+                # the deadline cannot undo that, and the exchange ends at its next checkpoint.
+                # It is a connect timeout (retried), not a header timeout (docs/reliability.md).
+                return
             phase = "headers"
             bound.deadline = trio.current_time() + timeout_s
 
