@@ -124,14 +124,20 @@ def queue_depth(load: LoadSignals | None) -> float:
     return (unit_waiting(load) or 0.0) + load.flow_queue
 
 
-def _unit_running(u: UnitLoad, load: LoadSignals) -> float | None:
-    """One unit's running count: its own gauge (vLLM), its in-flight less its queue (EPP
-    with the in-flight producer), else the pool mean."""
+def _own_running(u: UnitLoad) -> float | None:
+    """One unit's own running count: its gauge (vLLM), or its in-flight less its queue (EPP
+    with the in-flight producer); None when the exposition has neither."""
     if u.running is not None:
         return u.running
     if u.in_flight is not None and u.waiting is not None:
         return max(0.0, u.in_flight - u.waiting)
-    return load.avg_running
+    return None
+
+
+def _unit_running(u: UnitLoad, load: LoadSignals) -> float | None:
+    """One unit's running count: its own, else the pool mean."""
+    running = _own_running(u)
+    return running if running is not None else load.avg_running
 
 
 def every_unit_waits(load: LoadSignals) -> bool:
@@ -181,9 +187,7 @@ def demonstrated_unit_limit(load: LoadSignals) -> float | None:
     for u in load.units:
         if u.waiting is None or u.waiting <= 0:
             continue
-        running = u.running
-        if running is None and u.in_flight is not None:
-            running = u.in_flight - u.waiting
+        running = _own_running(u)
         if running is not None and running > 0:
             limits.append(running)
     if limits:
@@ -290,9 +294,8 @@ class CapacityLearner:
         self._units: int | None = None
         self._rho: float | None = None
         self._in_flight: float | None = None
-        # (taken_at, rho) with rho strictly decreasing left to right: the sliding-window
-        # maximum is the leftmost entry that has not aged out.
-        self._recent: deque[tuple[float, float]] = deque()
+        # Smoothed rho samples over recent_window_s: recent_worst_rho is their maximum.
+        self._recent = _WindowMax()
         self._learning = False
         self._last_at: float | None = None
         self.retune(floor=floor, alpha=alpha, recent_window_s=recent_window_s, unit_capacity=unit_capacity,
@@ -373,12 +376,7 @@ class CapacityLearner:
         if raw is None or math.isnan(raw):
             return
         self._rho = raw if self._rho is None else self._alpha * raw + (1.0 - self._alpha) * self._rho
-        recent = self._recent
-        while recent and recent[-1][1] <= self._rho:
-            recent.pop()
-        recent.append((now, self._rho))
-        while recent and now - recent[0][0] >= self._window_s:
-            recent.popleft()
+        self._recent.add(now, self._rho)
 
     def _forget(self) -> None:
         self._soft.clear()
@@ -396,13 +394,30 @@ class CapacityLearner:
         """Capacity in requests at ``now``: units x the lesser of the soft side (the prior, or
         SOFT_PROBE x the most held with nothing queued) and the mean demonstrated limit,
         never below the floor. With no unit count known yet, the floor."""
+        return self.capacity_and_bound(now)[0]
+
+    def capacity_and_bound(self, now: float) -> tuple[float, str]:
+        """:meth:`capacity` and the term in force: ``prior``, ``soft``, ``hard`` or ``floor``."""
         if self._units is None:
-            return self._floor
+            return self._floor, "floor"
         soft, hard = self.unit_bounds(now)
-        per_unit = self._unit_capacity if soft is None else max(self._unit_capacity, SOFT_PROBE * soft)
-        if hard is not None:
-            per_unit = min(per_unit, hard)
-        return max(self._units * per_unit, self._floor)
+        per_unit, bound = self._unit_capacity, "prior"
+        if soft is not None and SOFT_PROBE * soft > per_unit:
+            per_unit, bound = SOFT_PROBE * soft, "soft"
+        if hard is not None and hard < per_unit:
+            per_unit, bound = hard, "hard"
+        if self._units * per_unit < self._floor:
+            return self._floor, "floor"
+        return self._units * per_unit, bound
+
+    @property
+    def unit_capacity(self) -> float:
+        """The prior: requests one serving unit is assumed to hold before evidence."""
+        return self._unit_capacity
+
+    @property
+    def floor(self) -> float:
+        return self._floor
 
     @property
     def bound(self) -> float:
@@ -433,7 +448,4 @@ class CapacityLearner:
         """The largest smoothed rho among samples taken within recent_window_s before
         ``now`` (a sample taken at t counts while now - t < recent_window_s). None when
         every sample has aged out: the candidate then has no recent reading at all."""
-        for taken_at, rho in self._recent:
-            if now - taken_at < self._window_s:
-                return rho
-        return None
+        return self._recent.value(now, self._window_s)

@@ -172,21 +172,13 @@ class ModelExplain(msgspec.Struct, frozen=True):
 
 
 def capacity_evidence(store: GatewayStore, cand: Candidate, now: float) -> CapacityEvidence:
-    learner, knobs = cand.learner, store.knobs
+    learner = cand.learner
     soft, hard = learner.unit_bounds(now)
-    prior, floor = knobs.unit_capacity, knobs.capacity_floor
-    soft_side = prior if soft is None else max(prior, SOFT_PROBE * soft)
-    units = learner.units
-    if units is None:
-        bound = "floor"  # no unit count yet: the floor alone
-    else:
-        per_unit, bound = soft_side, ("soft" if soft is not None and SOFT_PROBE * soft > prior else "prior")
-        if hard is not None and hard < per_unit:
-            per_unit, bound = hard, "hard"
-        if units * per_unit < floor:
-            bound = "floor"
-    return CapacityEvidence(units=units, unit_capacity=prior, soft_per_unit=soft, hard_per_unit=hard,
-                            soft_side=soft_side, floor=floor, bound=bound, capacity=learner.capacity(now))
+    prior = learner.unit_capacity
+    capacity, bound = learner.capacity_and_bound(now)
+    return CapacityEvidence(units=learner.units, unit_capacity=prior, soft_per_unit=soft, hard_per_unit=hard,
+                            soft_side=prior if soft is None else max(prior, SOFT_PROBE * soft),
+                            floor=learner.floor, bound=bound, capacity=capacity)
 
 
 def _tier(view: CandidateView | None) -> str | None:

@@ -382,7 +382,6 @@ class GatewayStore:
         what tells a 404 from "no routing data from the operator")."""
         return self.last_ingest_at is not None and now - self.last_ingest_at <= self.signal_ttl_s
 
-    fresh = has_routing_data
 
     def routing_data_problem(self, now: float) -> str | None:
         """Why the gateway has no routing data, or None: the cause a 503 and status name."""
