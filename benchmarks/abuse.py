@@ -96,8 +96,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def flood_peer(certs: pathlib.Path, site: str, port: int, names: int, long_name_chars: int = 0) -> None:
-    from gridd.channel import serve_signals
     from gridd.core.readings import Revision
+    from gridd.link.serve import serve_channel
     from gridd.tls import server_context
     from gridd.wire import PROTOCOL_VERSION, Batch, Batches, Poll
 
@@ -122,7 +122,7 @@ async def flood_peer(certs: pathlib.Path, site: str, port: int, names: int, long
                                   ready=True),)
             await session.send(Batches(protocol=PROTOCOL_VERSION, sent_wall=time.time(), batches=batches))
 
-    await serve_signals(f"127.0.0.1:{port}", lambda: ctx, handler)
+    await serve_channel(f"127.0.0.1:{port}", lambda: ctx, handler)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from gridd.config import LoadedConfig, default_control_socket, load_config
 from gridd.control import serve_control
 from gridd.errors import GriddError
 from gridd.httpserver import serve_asgi
+from gridd.link.periodic import run_periodic
 from gridd.metrics_app import make_metrics_app
 from gridd.notify import Notifier
 from gridd.preflight import check_listen
@@ -163,12 +164,11 @@ class Daemon:
             await self.reload(source="SIGHUP")
 
     async def _watchdog(self, interval_s: float) -> None:
-        # Drift-free (STYLE 9): schedule each ping from the previous deadline.
-        deadline = trio.current_time()
-        while True:
+        # The shared periodic loop (gridd/link/periodic.py): drift-free, one ping per interval.
+        async def ping() -> None:
             self.notifier.watchdog()
-            deadline += interval_s
-            await trio.sleep_until(deadline)
+
+        await run_periodic(lambda: interval_s, ping)
 
     # -- staged reload -----------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from gridd.config import Config, LoadedConfig
 from gridd.errors import ConfigError
 from gridd.gateway.service import check_gateway_config, load_gateway_tls
 from gridd.httpserver import parse_bind
+from gridd.operator.channel_setup import load_operator_tls
 from gridd.operator.service import check_operator_config
-from gridd.operator.signals import load_signals_tls
 from gridd.tls import TLSMaterialError
 
 
@@ -57,7 +57,7 @@ def check_tls(loaded: LoadedConfig, now_wall: float) -> None:
     cfg = loaded.config
     if cfg.tls is None:
         return
-    load = load_signals_tls if cfg.role == "operator" else load_gateway_tls
+    load = load_operator_tls if cfg.role == "operator" else load_gateway_tls
     try:
         load(loaded, now_wall)
     except TLSMaterialError as exc:

@@ -23,22 +23,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import CollectorRegistry
 
 from gridd import certs
-from gridd.channel import (
-    WS_MAX_MESSAGE_BYTES,
-    Backoff,
-    ChannelError,
-    ChannelLimits,
-    ExpectedPeer,
-    open_signals_connection,
-    open_signals_dialer,
-    parse_signals_url,
-    serve_signals,
-    split_bind,
-)
 from gridd.config import parse_config
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
-from gridd.operator.signals import SignalsEndpoint, SignalsMetrics, serving_config_for
+from gridd.link.dial import (
+    Backoff,
+    ExpectedPeer,
+    open_channel_connection,
+    open_channel_dialer,
+    parse_channel_url,
+)
+from gridd.link.serve import ChannelLimits, serve_channel, split_bind
+from gridd.link.session import WS_MAX_MESSAGE_BYTES, ChannelError
+from gridd.operator.channel_setup import ChannelMetrics
+from gridd.operator.relay import RelayEndpoint, serving_config_for
 from gridd.tls import PeerIdentity, client_context, server_context
 from gridd.wire import (
     MAX_FRAME_BYTES,
@@ -157,8 +155,8 @@ class Operator:
         self.cfg, _ = parse_config(OPERATOR_A_CONFIG, env={})
         self.holdings = Holdings()
         self.registry = CollectorRegistry()
-        self.metrics = SignalsMetrics(self.registry)
-        self.endpoint = SignalsEndpoint(config=lambda: self.cfg, holdings=self.holdings, metrics=self.metrics,
+        self.metrics = ChannelMetrics(self.registry)
+        self.endpoint = RelayEndpoint(config=lambda: self.cfg, holdings=self.holdings, metrics=self.metrics,
                                         wall=time.time)
         self.server_ctx = grid.server(OPERATOR_A)
         self.limits = ChannelLimits()
@@ -177,7 +175,7 @@ class Operator:
 
         async def serve(task_status=trio.TASK_STATUS_IGNORED):
             with scope:
-                await serve_signals(bind, lambda: self.server_ctx, self.endpoint.handle, limits=lambda: self.limits,
+                await serve_channel(bind, lambda: self.server_ctx, self.endpoint.handle, limits=lambda: self.limits,
                                     on_refused=self.count_refused, task_status=task_status)
 
         address = await nursery.start(serve)
@@ -203,7 +201,7 @@ def poll(protocol: int = PROTOCOL_VERSION) -> Poll:
 
 async def test_peer_operator_gets_only_the_servers_own_site(grid, operator):
     with trio.fail_after(5):
-        async with open_signals_connection(operator.url, grid.client(OPERATOR_B),
+        async with open_channel_connection(operator.url, grid.client(OPERATOR_B),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             assert conn.identity == OPERATOR_A
             replies = await conn.exchange(poll())
@@ -219,7 +217,7 @@ async def test_peer_operator_gets_only_the_servers_own_site(grid, operator):
 
 async def test_gateway_gets_serving_config_once_then_every_sites_batches(grid, operator):
     with trio.fail_after(5):
-        async with open_signals_connection(operator.url, grid.client(GATEWAY_A1),
+        async with open_channel_connection(operator.url, grid.client(GATEWAY_A1),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             first = await conn.exchange(poll())
             second = await conn.exchange(poll())
@@ -253,7 +251,7 @@ async def test_cursors_leave_out_what_the_gateway_holds(grid, operator):
     held = held_batch("b", "beta")
     cursor = (held.site, held.provider, held.revision.publisher_epoch, held.revision.batch_sequence)
     with trio.fail_after(5):
-        async with open_signals_connection(operator.url, grid.client(GATEWAY_A1),
+        async with open_channel_connection(operator.url, grid.client(GATEWAY_A1),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             *_, batches = await conn.exchange(Poll(protocol=PROTOCOL_VERSION, sent_wall=time.time(),
                                                    cursors=(Cursor(*cursor),)))
@@ -266,7 +264,7 @@ async def test_frames_above_trio_websockets_default_limit_pass(grid, operator):
     for i in range(400):
         operator.holdings.hold(held_batch("a", f"p{i}", probes=200), trio.current_time())
     with trio.fail_after(10):
-        async with open_signals_connection(operator.url, grid.client(OPERATOR_B),
+        async with open_channel_connection(operator.url, grid.client(OPERATOR_B),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             [batches] = await conn.exchange(poll())
     assert len(encode(batches)) > 1024 * 1024
@@ -278,7 +276,7 @@ async def test_frames_above_trio_websockets_default_limit_pass(grid, operator):
 
 async def test_client_certificate_from_another_ca_is_refused_and_counted(grid, other_ca, operator):
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(operator.url, other_ca.client(OPERATOR_B),
+        async with open_channel_connection(operator.url, other_ca.client(OPERATOR_B),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             await conn.exchange(poll())
     assert err.value.reason == "tls"
@@ -291,7 +289,7 @@ async def test_server_naming_another_site_is_refused_by_the_client(grid, operato
     # The client was configured to reach site "c" at this URL; the server's verified
     # certificate names site "a".
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(operator.url, grid.client(OPERATOR_B),
+        async with open_channel_connection(operator.url, grid.client(OPERATOR_B),
                                            ExpectedPeer(TD, "c", "operator")):
             pass
     assert err.value.reason == "identity"
@@ -302,7 +300,7 @@ async def test_server_from_another_ca_is_refused_by_the_client(grid, other_ca, n
     op = Operator(other_ca)
     await op.start(nursery)
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(op.url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator")):
+        async with open_channel_connection(op.url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator")):
             pass
     assert err.value.reason == "tls"
 
@@ -317,7 +315,7 @@ async def test_server_from_another_ca_is_refused_by_the_client(grid, other_ca, n
 )
 async def test_unauthorized_identities_get_an_error_and_are_counted(grid, operator, identity, reason):
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(operator.url, grid.client(identity),
+        async with open_channel_connection(operator.url, grid.client(identity),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             await conn.exchange(poll())
     assert err.value.reason == "refused" and err.value.peer_reason == reason
@@ -326,7 +324,7 @@ async def test_unauthorized_identities_get_an_error_and_are_counted(grid, operat
 
 async def test_peer_operator_may_not_send_feedback(grid, operator):
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(operator.url, grid.client(OPERATOR_B),
+        async with open_channel_connection(operator.url, grid.client(OPERATOR_B),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             await conn.exchange(FeedbackReport(reporter_epoch=1, sequence=1, skew_drops=0))
     assert err.value.peer_reason == "forbidden"
@@ -336,7 +334,7 @@ async def test_peer_operator_may_not_send_feedback(grid, operator):
 async def test_certificate_without_identity_is_refused_before_the_websocket(grid, operator):
     ctx = client_context(*grid.issue_without_identity(), grid.ca_file)
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(operator.url, ctx, ExpectedPeer(TD, "a", "operator")):
+        async with open_channel_connection(operator.url, ctx, ExpectedPeer(TD, "a", "operator")):
             pass
     assert err.value.reason == "connect"
     assert operator.refused("identity") == 1
@@ -344,7 +342,7 @@ async def test_certificate_without_identity_is_refused_before_the_websocket(grid
 
 async def test_other_protocol_major_version_is_refused(grid, operator):
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_signals_connection(operator.url, grid.client(OPERATOR_B),
+        async with open_channel_connection(operator.url, grid.client(OPERATOR_B),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             await conn.exchange(poll(protocol=PROTOCOL_VERSION + 1))
     assert err.value.reason == "protocol"
@@ -364,7 +362,7 @@ async def test_a_silent_tcp_client_is_cut_at_the_handshake_bound(operator):
 
 
 async def _raw_websocket(url: str, ctx: ssl.SSLContext, nursery: trio.Nursery):
-    target = parse_signals_url(url)
+    target = parse_channel_url(url)
     tcp = await trio.open_tcp_stream(target.host, target.port)
     tls = trio.SSLStream(tcp, ctx, server_hostname=None)
     await tls.do_handshake()
@@ -400,7 +398,7 @@ async def test_bad_frame_is_counted_and_the_server_keeps_serving(grid, operator,
             await tls.aclose()  # trio-websocket leaves it open when the peer closed first
         assert operator.refused("decode") == 1
         # Another client is served as before.
-        async with open_signals_connection(operator.url, grid.client(GATEWAY_A1),
+        async with open_channel_connection(operator.url, grid.client(GATEWAY_A1),
                                            ExpectedPeer(TD, "a", "operator")) as conn:
             replies = await conn.exchange(poll())
     assert isinstance(replies[-1], Batches)
@@ -441,7 +439,7 @@ async def test_dialer_redials_after_the_server_restarts(grid, nursery):
     scope = await op.start(nursery)
     bind = op.url.removeprefix("wss://").removesuffix("/signals")
     with trio.fail_after(10):
-        async with open_signals_dialer(op.url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator"),
+        async with open_channel_dialer(op.url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator"),
                                        rng=MaxRandom(), backoff=Backoff(base_s=0.05, cap_s=0.1)) as dialer:
             assert isinstance((await dialer.exchange(poll()))[-1], Batches)
             assert dialer.connections_opened == 1 and dialer.identity == OPERATOR_A
@@ -468,7 +466,7 @@ async def test_dialer_redials_a_connection_the_server_closed_as_idle(grid, nurse
     op.limits = ChannelLimits(idle_s=0.2)
     await op.start(nursery)
     with trio.fail_after(10):
-        async with open_signals_dialer(op.url, grid.client(GATEWAY_A1), ExpectedPeer(TD, "a", "operator")) as dialer:
+        async with open_channel_dialer(op.url, grid.client(GATEWAY_A1), ExpectedPeer(TD, "a", "operator")) as dialer:
             await dialer.exchange(poll())
             await trio.sleep(0.5)  # more than idle_s without a message: the server closes
             replies = await dialer.exchange(poll())
@@ -481,11 +479,11 @@ async def test_dialer_cancelled_mid_exchange_drops_the_connection(grid, nursery)
         await session.receive()
         await trio.sleep_forever()
 
-    address = await nursery.start(partial(serve_signals, "127.0.0.1:0", lambda: grid.server(OPERATOR_A),
+    address = await nursery.start(partial(serve_channel, "127.0.0.1:0", lambda: grid.server(OPERATOR_A),
                                           never_answer))
     url = f"wss://{address}/signals"
     with trio.fail_after(10):
-        async with open_signals_dialer(url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator")) as dialer:
+        async with open_channel_dialer(url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator")) as dialer:
             with trio.move_on_after(0.3) as budget:
                 await dialer.exchange(poll())
             assert budget.cancelled_caught
@@ -502,12 +500,12 @@ async def test_unreachable_and_unusable_urls_map_to_bounded_reasons(grid):
     await listener.aclose()  # nothing listens there now
     with trio.fail_after(5):
         with pytest.raises(ChannelError) as err:
-            async with open_signals_connection(f"wss://127.0.0.1:{port}/signals", ctx,
+            async with open_channel_connection(f"wss://127.0.0.1:{port}/signals", ctx,
                                                ExpectedPeer(TD, "a", "operator")):
                 pass
         assert err.value.reason == "connect"
         with pytest.raises(ChannelError) as err:
-            async with open_signals_connection("ws://127.0.0.1:1/signals", ctx, ExpectedPeer(TD, "a", "operator")):
+            async with open_channel_connection("ws://127.0.0.1:1/signals", ctx, ExpectedPeer(TD, "a", "operator")):
                 pass
         assert err.value.reason == "protocol"
 
@@ -515,7 +513,7 @@ async def test_unreachable_and_unusable_urls_map_to_bounded_reasons(grid):
 async def test_failed_handshakes_are_logged_once_per_interval_with_counts(operator, caplog):
     """The issue: every failed unauthenticated handshake logged one INFO line (log flooding).
     Now one line per REFUSAL_LOG_EVERY_S per listener, every refusal still counted."""
-    caplog.set_level(logging.INFO, logger="gridd.channel")
+    caplog.set_level(logging.INFO, logger="gridd.link.serve")
     host, port = operator.url.removeprefix("wss://").removesuffix("/signals").rsplit(":", 1)
     for _ in range(5):
         operator.refused_at_handshake = trio.Event()

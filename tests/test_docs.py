@@ -16,7 +16,6 @@ import msgspec.inspect as mi
 import pytest
 from docs_tables import table_rows
 
-from gridd.channel import CHANNEL_ERROR_REASONS
 from gridd.config import Config
 from gridd.core.admission import DROP_REASONS
 from gridd.core.explain import CAPACITY_BOUNDS, OUTCOMES, TIERS
@@ -24,7 +23,9 @@ from gridd.core.feedback import FAILURE_REASONS
 from gridd.core.readiness import FAILURE_CLASSES
 from gridd.core.store import EXCLUSION_REASONS, SIGNAL_STATES
 from gridd.daemon import DAEMON_STATES
-from gridd.operator.signals import REFUSAL_REASONS, PeerState
+from gridd.link.session import CHANNEL_ERROR_REASONS
+from gridd.operator.channel_setup import REFUSAL_REASONS
+from gridd.operator.peers import PeerState
 from gridd.preflight import TLS_FIXES
 from gridd.probes.runner import PROBE_FAILURE_CLASSES
 

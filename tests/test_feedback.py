@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry
 from test_grid_mockclock import GATEWAY, TD, WALL0, memory_link_factory, operator_config, wall, write_certs
 
 from gridd import wire
-from gridd.channel import ChannelError
 from gridd.config import load_config
 from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.feedback import (
@@ -32,6 +31,7 @@ from gridd.core.feedback import (
 from gridd.core.readings import Revision
 from gridd.errors import StateError
 from gridd.gateway.service import GatewayService
+from gridd.link.session import ChannelError
 from gridd.operator.service import FEEDBACK_FILE, FEEDBACK_NOT_STORED, OperatorService
 from gridd.sim.app import SimApp
 from gridd.sim.model import knobs_from
@@ -865,14 +865,14 @@ async def test_e2e_reporter_state_survives_reloads_and_replacing_the_poller_lose
     reporter = gw.reporter
     await trio.sleep_until(o + 6.25)
     # A staged reload, and a rejected one, publish nothing and touch no reporter state.
-    before, generation = reporter.status(), gw._poller_generation
+    before, generation = reporter.status(), gw.poller_restarts
     autojump_clock.autojump_threshold = math.inf  # stage() checks files in a worker thread
     await gw.stage(load_config(tmp_path / "gw-a.yaml", env={}))
     (tmp_path / "gw-bad.yaml").write_text(GATEWAY.replace("a-gateway-g1-key.pem", "missing-key.pem"))
     with pytest.raises(Exception, match="missing-key.pem"):
         await gw.stage(load_config(tmp_path / "gw-bad.yaml", env={}))
     autojump_clock.autojump_threshold = 0
-    assert reporter.status() == before and gw._poller_generation == generation
+    assert reporter.status() == before and gw.poller_restarts == generation
 
     # The +6.5 cycle folds its skew drop, then its report hangs. Operator a stops relaying
     # b's batch (until its +10 peer poll), so every cycle after this one is clean.
@@ -887,7 +887,7 @@ async def test_e2e_reporter_state_survives_reloads_and_replacing_the_poller_lose
     autojump_clock.autojump_threshold = math.inf
     gw.commit(await gw.stage(load_config(tmp_path / "gw-a.yaml", env={})))
     autojump_clock.autojump_threshold = 0
-    assert gw._poller_generation == generation + 1
+    assert gw.poller_restarts == generation + 1
     fgrid.fault.mode = "ok"
     await trio.sleep_until(o + 6.8)
     # The cancelled exchange counted nothing. The same reporter (epoch, sequence, count,

@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry
 
 from gridd import wire
 from gridd.certs import certificate_pem, create_ca, issue_certificate, private_key_pem
-from gridd.channel import ChannelError
 from gridd.config import load_config
 from gridd.gateway.service import GatewayService
+from gridd.link.session import ChannelError
 from gridd.operator.service import OperatorService
 from gridd.sim.app import SimApp
 from gridd.sim.model import knobs_from
@@ -86,7 +86,7 @@ availability: {shedding: {enabled: true, full_after_ms: 2000, room_after_ms: 500
 
 
 class MemorySession:
-    """The server side of an in-memory signals connection (what SignalsEndpoint reads)."""
+    """The server side of an in-memory signals connection (what RelayEndpoint reads)."""
 
     def __init__(self, identity: PeerIdentity, inbox, outbox, where: str) -> None:
         self.identity, self._in, self._out, self.where = identity, inbox, outbox, where

@@ -20,14 +20,14 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 
 from gridd import certs
-from gridd.channel import ChannelError
 from gridd.config import LimitsConfig, PeerConfig, TimingConfig, load_config
 from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
 from gridd.errors import ConfigError
+from gridd.link.session import ChannelError
+from gridd.operator.peers import PeerSupervisor
 from gridd.operator.service import OperatorService
-from gridd.operator.signals import PeerSupervisor
 from gridd.tls import PeerIdentity, TLSMaterialError
 from gridd.wire import PROTOCOL_VERSION, Batch, Batches, Message, Poll
 
@@ -202,7 +202,7 @@ async def test_decode_errors_are_counted_as_ingest_drops(autojump_clock, nursery
 
 
 async def test_state_changes_are_logged_once(autojump_clock, nursery, caplog):
-    caplog.set_level(logging.INFO, logger="gridd.operator.signals")
+    caplog.set_level(logging.INFO, logger="gridd.operator.peers")
     h = Harness()
     # Up, then refused three times running, then up again.
     h.scripts["b"] = lambda n: ChannelError("refused (forbidden)", reason="refused") if 1 <= n <= 3 else []
@@ -218,7 +218,7 @@ async def test_state_changes_are_logged_once(autojump_clock, nursery, caplog):
 
 
 async def test_a_new_failure_reason_while_down_is_logged_once(autojump_clock, nursery, caplog):
-    caplog.set_level(logging.INFO, logger="gridd.operator.signals")
+    caplog.set_level(logging.INFO, logger="gridd.operator.peers")
     h = Harness()
     reasons = ["connect", "connect", "identity", "identity", "identity"]
     h.scripts["b"] = lambda n: ChannelError("no", reason=reasons[min(n, 4)])
@@ -230,7 +230,7 @@ async def test_a_new_failure_reason_while_down_is_logged_once(autojump_clock, nu
 
 
 async def test_a_flapping_peer_cannot_flood_the_log(autojump_clock, nursery, caplog):
-    caplog.set_level(logging.INFO, logger="gridd.operator.signals")
+    caplog.set_level(logging.INFO, logger="gridd.operator.peers")
     h = Harness()
     # Polls at +0, +5, +10, ...: up on even polls, refused on odd ones, for two minutes.
     h.scripts["b"] = lambda n: ChannelError("no", reason="refused") if n % 2 else []

@@ -50,7 +50,7 @@ REMOTE_RECHECK_S = 6.0
 """A remote one waits on the operator's peer poll (5 s) + the gateway poll (1 s)."""
 SILENT_AFTER_TTLS = 2.0
 """A candidate whose reading is this many TTLs old is silent: excluded (503), not routed to
-(the operator relays a silent peer's readings this long; see operator/signals.py)."""
+(the operator relays a silent peer's readings this long; see operator/peers.py)."""
 NO_OPERATOR_DATA_RETRY_AFTER_S = 2.0
 """Retry-After of a 503 while the gateway has no routing data: the next poll or two."""
 

@@ -15,7 +15,7 @@ import random
 import secrets
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import msgspec
@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse_signals_url
 from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, http_limits
 from gridd.core.cursors import held_cursors, unchanged_batches
@@ -38,10 +37,17 @@ from gridd.errors import ConfigError, GriddError
 from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
+from gridd.link.dial import ExpectedPeer, open_channel_dialer, parse_channel_url
+from gridd.link.poller import LinkLines, PollAnswer, Poller, PollLink
+from gridd.link.session import ChannelError
+from gridd.link.supervisor import TaskSupervisor
 from gridd.tls import TLSMaterial, check_tls_material
-from gridd.wire import PROTOCOL_VERSION, Batches, Error, FeedbackAck, Poll, ServingConfig
+from gridd.wire import PROTOCOL_VERSION, FeedbackAck, Poll
 
 log = logging.getLogger("gridd.gateway")
+
+# The key of the one supervised task of a gateway, and of its link in the transition log.
+OPERATOR: Final = "operator"
 
 
 class StagedGateway(msgspec.Struct, frozen=True):
@@ -71,7 +77,7 @@ def check_gateway_config(cfg: Config) -> None:
                           "add tls: {ca, cert, key} (gridd certs issue --role gateway --replica R)")
     if cfg.operator is not None:
         try:
-            parse_signals_url(cfg.operator.url)
+            parse_channel_url(cfg.operator.url)
         except ChannelError:
             raise ConfigError(f"operator.url: expected the operator's signals URL, wss://host:port/signals "
                               f"(its listen.signals), got {cfg.operator.url!r}") from None
@@ -209,11 +215,11 @@ class GatewayService:
         rng: random.Random | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         ingress_transport: httpx.AsyncBaseTransport | None = None,
-        open_operator_link: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        open_operator_link: Callable[[], AbstractAsyncContextManager[PollLink]] | None = None,
         reporter_epoch: int | None = None,
     ) -> None:
         """open_operator_link: the connection to the operator (tests pass an in-memory one);
-        by default a SignalsDialer over mutual TLS to ``operator.url``.
+        by default a ChannelDialer over mutual TLS to ``operator.url``.
         reporter_epoch: the feedback reporter's process epoch; random (63 bits) by default."""
         self.loaded = loaded
         self.registry = registry
@@ -228,14 +234,19 @@ class GatewayService:
         self._tls_digest = ""
         self._ingress: SwappableTransport | None = None
         self.front_urls: list[str] = []
+        # Polls of the operator by result, across poller restarts (grid_gateway_polls_total).
         self.poll_results: dict[str, int] = {"ok": 0}
+        self.poller: Poller | None = None
         self.operator_state = "not polling"
         self.last_poll_error: str | None = None
         self._serving = False
         self._stop_accepting = trio.Event()
         self._front_done = trio.Event()
-        self._poller_scope: trio.CancelScope | None = None
-        self._poller_generation = 0
+        # The operator poller, under its own cancel scope: restarted when a reload changes the
+        # operator URL or the TLS material, stopped while draining; the store is never rebuilt.
+        self._tasks: TaskSupervisor[str] = TaskSupervisor(
+            restart_delay_s=lambda: self.config.timings.gateway_poll_interval_s, log=log)
+        self._poller_restarts = 0
         # The skew-rejection reporter (spec: Gateway rejection reports). Its random process
         # epoch, sequence, cumulative count and pending evidence "survive committed poller
         # and certificate reloads": built once here, never by commit().
@@ -247,6 +258,11 @@ class GatewayService:
     @property
     def config(self) -> Config:
         return self.loaded.config
+
+    @property
+    def poller_restarts(self) -> int:
+        """Operator pollers a committed reload replaced (URL or TLS material changed)."""
+        return self._poller_restarts
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -268,9 +284,10 @@ class GatewayService:
             else:
                 self._front_done.set()  # no front: nothing to drain
             nursery.start_soon(close_expired_forever, (transport, ingress), name="upstream-keepalive")
+            await nursery.start(self._tasks.run)
             # Serving from here on: the poller runs only while the front accepts requests.
             self._serving = True
-            nursery.start_soon(self._supervise_poller, name="operator-poller")
+            self._tasks.start(OPERATOR, self._poll_operator, label="operator poller")
             task_status.started()
             await self._stop_accepting.wait()
             await self._front_done.wait()
@@ -284,95 +301,71 @@ class GatewayService:
         finally:
             self._front_done.set()
 
-    async def _supervise_poller(self) -> None:
-        """The poller runs under its own cancel scope, restarted when a reload changes the
-        operator URL or the TLS material; the store is never rebuilt."""
-        while self._serving:
-            generation = self._poller_generation
-            with trio.CancelScope() as scope:
-                self._poller_scope = scope
-                await self._poll_operator()
-            self._poller_scope = None
-            if generation == self._poller_generation and self._serving:
-                # a poller ended on its own: restart it, a poll interval later (no hot loop)
-                await trio.sleep(self.config.timings.gateway_poll_interval_s)
-
-    def _dial_operator(self) -> AbstractAsyncContextManager[Any]:
+    def _dial_operator(self) -> AbstractAsyncContextManager[PollLink]:
         cfg = self.config
         assert cfg.operator is not None and self.tls is not None
         # The operator must be our own site's: its verified certificate names it.
         expected = ExpectedPeer(cfg.trust_domain, cfg.site, "operator")
-        return open_signals_dialer(cfg.operator.url, self.tls.client_context, expected, rng=self.rng)
+        return open_channel_dialer(cfg.operator.url, self.tls.client_context, expected, rng=self.rng)
 
     async def _poll_operator(self) -> None:
-        async with self._open_operator_link() as dialer:
+        """One poller's life: a link to the operator, polled until the task is cancelled."""
+        assert self.config.operator is not None  # the config loader requires it of a gateway
+        url = self.config.operator.url
+        poller = self.poller = Poller(
+            target=OPERATOR,
+            # The operator link: one line per change (up, down with the failure class, down
+            # for another class), rate-limited (gridd/core/transitions.py), never one per poll.
+            lines=LinkLines(log, up=f"operator {url}: link up, polling{{suffix}}",
+                            down=f"operator {url}: link down, poll failed ({{reason}}): {{detail}}{{suffix}}",
+                            timeout="no answer within {budget_s:g} s"),
+            transitions=self.link_transitions,
+            interval_s=lambda: self.config.timings.gateway_poll_interval_s,
+            budget_s=lambda: self.config.timings.gateway_poll_budget_s,
+            request=self._poll_request, admit=self._admit, on_failure=self._poll_failed,
+            after_poll=self._after_poll, results=self.poll_results)
+        async with self._open_operator_link() as link:
             self.operator_state = "connecting"
-            next_poll = trio.current_time()
-            while True:
-                await self._poll_once(dialer)
-                # Drift-free (STYLE 9): polls start one interval apart; ticks missed while a
-                # poll ran long are skipped, not made up in a burst.
-                next_poll = max(next_poll + self.config.timings.gateway_poll_interval_s, trio.current_time())
-                await trio.sleep_until(next_poll)
+            await poller.run(link)
 
-    async def _poll_once(self, dialer) -> None:
-        t = self.config.timings
-        failure: str | None = "timeout"
-        detail = f"no answer within {t.gateway_poll_budget_s:g} s"
-        with trio.move_on_after(t.gateway_poll_budget_s):
-            try:
-                # Cursors: what this gateway holds, so the operator leaves out every batch
-                # unchanged since (gridd/core/cursors.py; most of a 1 s poll's answer).
-                cursors = held_cursors(self.store.candidates, self.store.fences)
-                replies = await dialer.exchange(Poll(protocol=PROTOCOL_VERSION, sent_wall=self.wall(),
-                                                     cursors=cursors))
-                failure, detail = None, ""
-            except ChannelError as exc:
-                failure, detail = exc.reason, str(exc)
-        now = trio.current_time()
-        if failure is None:
-            for reply in replies:
-                if isinstance(reply, ServingConfig):
-                    self.store.set_serving(reply)
-                elif isinstance(reply, Batches):
-                    # The held batch of each unchanged provider is admitted as the repeat
-                    # the re-sent batch would have been (seen by this poll, age unchanged).
-                    repeated = unchanged_batches(self.store.candidates, reply.unchanged)
-                    self.store.ingest([*reply.batches, *repeated], now=now, now_wall=self.wall(),
-                                      removed=[(k.site, k.provider) for k in reply.removed])
-                    # Spec: "The reporter folds a committed observation before refresh and
-                    # cancellation, so replacing a poller during refresh cannot lose a
-                    # genuine skew drop." No checkpoint lies between the ingest and this
-                    # fold, so no cancellation can come between them.
-                    fences = self.store.fences
-                    self.reporter.observe(fences.drops()["skew"], fences.skew_evidence())
-                    if self.store.has_routing_data(now):
-                        self.router.had_routing_data.set()
-                elif isinstance(reply, Error):
-                    failure, detail = "refused", f"operator refused: {reply.reason}: {reply.detail}"
-        # The operator link: one line per change (up, down with the failure class, down for
-        # another class), rate-limited (gridd/core/transitions.py), never one per poll.
-        link = self.link_transitions.observe("operator", "up" if failure is None else f"down ({failure})", now)
-        if failure is None:
-            self.poll_results["ok"] += 1
-            if link is not None:
-                log.info("operator %s: link up, polling%s", self.config.operator.url, link.suffix())
-            self.operator_state, self.last_poll_error = "up", None
-        else:
-            self.poll_results[failure] = self.poll_results.get(failure, 0) + 1
-            if link is not None:
-                log.warning("operator %s: link down, poll failed (%s): %s%s", self.config.operator.url, failure,
-                            detail, link.suffix())
-            self.operator_state, self.last_poll_error = "down", f"{failure}: {detail}"
-            # Readings keep ageing while the operator is unreachable: re-score so stale sites
-            # sort last (loss of signal degrades to least preferred, not to idle).
-            self.store.rebuild(now)
+    def _poll_request(self) -> Poll:
+        # Cursors: what this gateway holds, so the operator leaves out every batch
+        # unchanged since (gridd/core/cursors.py; most of a 1 s poll's answer).
+        cursors = held_cursors(self.store.candidates, self.store.fences)
+        return Poll(protocol=PROTOCOL_VERSION, sent_wall=self.wall(), cursors=cursors)
+
+    def _admit(self, answer: PollAnswer, now: float) -> None:
+        if answer.serving is not None:
+            self.store.set_serving(answer.serving)
+        reply = answer.batches
+        # The held batch of each unchanged provider is admitted as the repeat the re-sent
+        # batch would have been (seen by this poll, age unchanged).
+        repeated = unchanged_batches(self.store.candidates, reply.unchanged)
+        self.store.ingest([*reply.batches, *repeated], now=now, now_wall=self.wall(),
+                          removed=[(k.site, k.provider) for k in reply.removed])
+        # Spec: "The reporter folds a committed observation before refresh and
+        # cancellation, so replacing a poller during refresh cannot lose a genuine skew
+        # drop." No checkpoint lies between the ingest and this fold, so no cancellation
+        # can come between them.
+        fences = self.store.fences
+        self.reporter.observe(fences.drops()["skew"], fences.skew_evidence())
+        if self.store.has_routing_data(now):
+            self.router.had_routing_data.set()
+        self.operator_state, self.last_poll_error = "up", None
+
+    def _poll_failed(self, exc: ChannelError, now: float) -> None:
+        self.operator_state, self.last_poll_error = "down", f"{exc.reason}: {exc}"
+        # Readings keep ageing while the operator is unreachable: re-score so stale sites
+        # sort last (loss of signal degrades to least preferred, not to idle).
+        self.store.rebuild(now)
+
+    async def _after_poll(self, link: PollLink, failed: bool) -> None:
         # Spec: "Failed fetches create no clean observation, but can retry pending bad
-        # evidence." The poll's own result is settled above: a failed report never
+        # evidence." The poll's own result is settled before this: a failed report never
         # turns a successful poll into a failed one.
-        await self._report_feedback(dialer, after_failed_fetch=failure is not None)
+        await self._report_feedback(link, after_failed_fetch=failed)
 
-    async def _report_feedback(self, dialer, *, after_failed_fetch: bool) -> None:
+    async def _report_feedback(self, link: PollLink, *, after_failed_fetch: bool) -> None:
         """Deliver the reporter's pending report, if any, in its own bounded exchange on the
         poller's connection (the dialer serializes exchanges). Spec: "Reporting has its own
         bounded exchange and does not turn a successful scrape into a failed scrape"."""
@@ -383,7 +376,7 @@ class GatewayService:
         outcome: Delivery | None = None
         with trio.move_on_after(budget_s):
             try:
-                replies = await dialer.exchange(report)
+                replies = await link.exchange(report)
             except ChannelError as exc:
                 # Connection, TLS/identity, a refusal or a protocol error: "transport".
                 outcome = self.reporter.on_failure("transport", f"{exc.reason}: {exc}")
@@ -393,11 +386,12 @@ class GatewayService:
         if outcome is None:
             outcome = self.reporter.on_failure("timeout", f"no acknowledgment within {budget_s:g} s")
         # Logged on a change only (failing, failing for another reason, delivered again).
+        url = self.config.operator.url if self.config.operator is not None else None
         if outcome.failed and outcome.result != self._feedback_failing:
-            log.warning("operator %s: feedback report %d not delivered (%s): %s", self.config.operator.url,
+            log.warning("operator %s: feedback report %d not delivered (%s): %s", url,
                         report.sequence, outcome.result, outcome.detail)
         elif not outcome.failed and self._feedback_failing is not None:
-            log.info("operator %s: feedback reports delivered again", self.config.operator.url)
+            log.info("operator %s: feedback reports delivered again", url)
         self._feedback_failing = outcome.result if outcome.failed else None
 
     async def stage(self, new: LoadedConfig) -> StagedGateway:
@@ -422,17 +416,15 @@ class GatewayService:
             # Other sites' ingress: new connections present the rotated certificate.
             self._ingress.swap(make_upstream_transport(verify=staged.tls.client_context))
         if restart or old.operator != self.config.operator:
-            self._poller_generation += 1
-            if self._poller_scope is not None:
-                self._poller_scope.cancel()
+            self._poller_restarts += 1
+            self._tasks.restart(OPERATOR)
             log.info("operator poller restarted for the new config")
 
     async def drain(self) -> None:
         """Stop accepting, stop polling (a draining gateway holds no poll), let in-flight
         requests finish; the daemon bounds this with drain_grace_s."""
         self._serving = False
-        if self._poller_scope is not None:
-            self._poller_scope.cancel()
+        self._tasks.stop(OPERATOR)
         self.operator_state = "not polling (draining)"
         self._stop_accepting.set()
         await self._front_done.wait()

@@ -19,6 +19,8 @@ import httpx
 import msgspec
 import trio
 
+from gridd.link.periodic import run_periodic
+
 log = logging.getLogger("gridd.scrape")
 
 # What a scrape itself can fail with; the publisher adds "wrong_kind" (a body not of the
@@ -181,14 +183,14 @@ class ScrapePool:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Pass after pass: the next starts one interval after the previous one started, or
-        as soon as it ends if it ran longer (never overlapping). Drift-free: scheduled from
-        the previous start with sleep_until (STYLE 9). Interval and targets are read anew
-        each pass, so a committed reload takes effect at the next pass."""
+        """Pass after pass on the shared periodic loop (gridd/link/periodic.py): the next
+        starts one interval after the previous one was scheduled to start, or as soon as it
+        ends if it ran longer (never overlapping). Drift-free: a late wake-up does not
+        shift the schedule (STYLE 9). Interval and targets are read anew each pass, so a
+        committed reload takes effect at the next pass."""
         task_status.started()
-        next_start = trio.current_time()
-        while True:
-            await trio.sleep_until(next_start)
-            started = trio.current_time()
+
+        async def one_pass() -> None:
             await self.run_pass(targets())
-            next_start = started + interval_s()
+
+        await run_periodic(interval_s, one_pass)

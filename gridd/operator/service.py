@@ -22,7 +22,6 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gridd.api.providers import ProvidersAPI, check_api_exposure
-from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
 from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for, http_limits
 from gridd.core.admission import AdmissionFences
@@ -33,18 +32,20 @@ from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import serve_asgi
-from gridd.operator.exporter import ProbeCollector, ProviderCollector
-from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
-from gridd.operator.signals import (
-    PeerLink,
-    PeerSupervisor,
-    SignalsEndpoint,
-    SignalsMetrics,
-    SignalsTLS,
+from gridd.link.dial import ExpectedPeer, open_channel_dialer
+from gridd.link.poller import PollLink
+from gridd.link.serve import serve_channel
+from gridd.operator.channel_setup import (
+    ChannelMetrics,
+    OperatorTLS,
     channel_limits,
-    check_signals_config,
-    load_signals_tls,
+    check_channel_config,
+    load_operator_tls,
 )
+from gridd.operator.exporter import ProbeCollector, ProviderCollector
+from gridd.operator.peers import PeerSupervisor
+from gridd.operator.relay import RelayEndpoint
+from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
 from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
@@ -63,13 +64,13 @@ FEEDBACK_NOT_STORED = "not_stored"
 class StagedOperator(msgspec.Struct, frozen=True):
     loaded: LoadedConfig
     revisions: dict[str, ProviderRevision]
-    tls: SignalsTLS | None = None
+    tls: OperatorTLS | None = None
 
 
 def check_operator_config(loaded: LoadedConfig) -> None:
     """What an operator's config must meet beyond decoding, at start and at every reload (and
     in ``gridd check-config``); ConfigError names the path."""
-    check_signals_config(loaded.config)
+    check_channel_config(loaded.config)
     check_sink_paths(loaded)
     check_api_exposure(loaded.config)
 
@@ -100,7 +101,7 @@ class OperatorService:
         wall: Callable[[], float] = wall_clock,
         client: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
-        open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PeerLink]] | None = None,
+        open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PollLink]] | None = None,
         probe_client: httpx.AsyncClient | None = None,
         probe_io: RunIO = trio.to_thread.run_sync,
         state_io: RunIO = trio.to_thread.run_sync,
@@ -129,13 +130,13 @@ class OperatorService:
         # increasing per provider even across a delete and re-create (see publication.py).
         self._sequence = itertools.count(1)
         self.pool: ScrapePool | None = None
-        self.tls: SignalsTLS | None = None
+        self.tls: OperatorTLS | None = None
         # One line per transition of each provider's scrape and readiness, rate-limited per
         # target (gridd/core/transitions.py); kept across reloads like the publishers.
         self.transitions = TransitionLog()
         self._rng = rng if rng is not None else random.Random()
         self._draining = False
-        self.signals_metrics = SignalsMetrics(registry)
+        self.signals_metrics = ChannelMetrics(registry)
         self.signals_address: str | None = None
         # Gateway rejection reports (spec): per-replica evidence, kept durably. Writes are
         # serialized; a report is acknowledged only once what it changed is on disk.
@@ -155,7 +156,7 @@ class OperatorService:
         Gauge("grid_signals_gateway_replicas_rejecting",
               "Gateway replicas of this site with unresolved skew-rejection evidence (GatewayAgesRejected).",
               registry=registry).set_function(lambda: len(self.gateway_evidence.unresolved()))
-        self.endpoint = SignalsEndpoint(config=lambda: self.config, holdings=self.holdings,
+        self.endpoint = RelayEndpoint(config=lambda: self.config, holdings=self.holdings,
                                         metrics=self.signals_metrics, wall=wall, feedback=self.take_feedback)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
                                     timings=lambda: self.config.timings, wall=wall,
@@ -214,7 +215,7 @@ class OperatorService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # TLS first: bad material is a start-up error (the daemon prints it, exits 1).
         check_operator_config(self.loaded)
-        self.tls = await trio.to_thread.run_sync(load_signals_tls, self.loaded, self.wall())
+        self.tls = await trio.to_thread.run_sync(load_operator_tls, self.loaded, self.wall())
         if self.config.listen.http is not None:
             # Writes always need a token: this one (docs/security.md), read by gridctl.
             self.api_token = await trio.to_thread.run_sync(self.state.api_token)
@@ -241,7 +242,7 @@ class OperatorService:
             cfg = self.config
             if self.tls is not None and cfg.listen.signals is not None:
                 self.signals_address = await nursery.start(
-                    partial(serve_signals, cfg.listen.signals, self._server_context, self.endpoint.handle,
+                    partial(serve_channel, cfg.listen.signals, self._server_context, self.endpoint.handle,
                             limits=lambda: channel_limits(self.config.timings),
                             on_refused=self.signals_metrics.count_refused),
                     name="signals-server",
@@ -323,11 +324,11 @@ class OperatorService:
         assert self.tls is not None
         return self.tls.material.server_context
 
-    def _open_peer_link(self, peer: PeerConfig) -> AbstractAsyncContextManager[PeerLink]:
+    def _open_peer_link(self, peer: PeerConfig) -> AbstractAsyncContextManager[PollLink]:
         # The TLS material current when the poller (re)starts; a rotation restarts it.
         assert self.tls is not None
         expected = ExpectedPeer(self.config.trust_domain, peer.site, "operator")
-        return open_signals_dialer(peer.url, self.tls.material.client_context, expected, rng=self._rng)
+        return open_channel_dialer(peer.url, self.tls.material.client_context, expected, rng=self._rng)
 
     def _targets(self) -> list[ScrapeTarget]:
         if self._draining:
@@ -502,7 +503,7 @@ class OperatorService:
         if (cfg.tls is None) != (old.tls is None):
             raise ConfigError("tls: added or removed; restart gridd to apply")
         # A bad certificate/key/CA rejects the reload; the old material keeps serving.
-        tls = await trio.to_thread.run_sync(load_signals_tls, new, self.wall())
+        tls = await trio.to_thread.run_sync(load_operator_tls, new, self.wall())
         # Staging changes nothing durable: the revisions are planned from the committed ones
         # and written by commit(), so a rejected reload leaves the state directory as it was.
         revisions = plan_revisions(self.revisions, new.config.providers)
