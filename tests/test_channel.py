@@ -1,21 +1,24 @@
-"""The signals channel on loopback: real sockets, real mutual TLS, the operator's endpoint.
+"""The channel: real mutual TLS, the operator's endpoint, and the dialer.
 
-Certificates come from gridd.certs library calls into tmp dirs. No MockClock here (real
-sockets stay out of autojump tests); every wait is bounded by fail_after.
+Certificates come from gridd.certs library calls into tmp dirs. The first part runs on
+loopback (real sockets, no MockClock; every wait bounded by fail_after); the timing rules
+(handshake and idle bounds, cancellation, backoff, the gateway's poll) run on trio memory
+streams under MockClock and are asserted exactly.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import math
 import random
 import ssl
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 import trio_websocket
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
@@ -23,9 +26,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import CollectorRegistry
 
 from gridd import certs
-from gridd.config import parse_config
+from gridd.config import load_config, parse_config
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
+from gridd.gateway.service import GatewayService
 from gridd.link.dial import (
     Backoff,
     ExpectedPeer,
@@ -33,7 +37,7 @@ from gridd.link.dial import (
     open_channel_dialer,
     parse_channel_url,
 )
-from gridd.link.serve import ChannelLimits, serve_channel, split_bind
+from gridd.link.serve import ChannelLimits, ChannelServer, serve_channel
 from gridd.link.session import WS_MAX_MESSAGE_BYTES, ChannelError
 from gridd.operator.channel_setup import ChannelMetrics
 from gridd.operator.relay import RelayEndpoint, serving_config_for
@@ -349,15 +353,6 @@ async def test_other_protocol_major_version_is_refused(grid, operator):
     assert operator.refused("protocol") == 1
 
 
-async def test_a_silent_tcp_client_is_cut_at_the_handshake_bound(operator):
-    operator.limits = ChannelLimits(handshake_s=0.2)
-    host, port = split_bind(operator.url.removeprefix("wss://").removesuffix("/signals"))
-    with trio.fail_after(5):
-        async with await trio.open_tcp_stream(host, port) as stream:
-            assert await stream.receive_some() == b""  # the server hung up on us
-    assert operator.refused("handshake") == 1
-
-
 # --- bad frames --------------------------------------------------------------------------
 
 
@@ -433,66 +428,6 @@ def test_backoff_is_full_jitter_over_a_doubling_capped_ceiling():
     assert all(0.0 <= d <= 0.8 for d in draws) and max(draws) > 0.6 and min(draws) < 0.2
 
 
-async def test_dialer_redials_after_the_server_restarts(grid, nursery):
-    op = Operator(grid)
-    op.holdings.hold(held_batch("a", "llama"), trio.current_time())
-    scope = await op.start(nursery)
-    bind = op.url.removeprefix("wss://").removesuffix("/signals")
-    with trio.fail_after(10):
-        async with open_channel_dialer(op.url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator"),
-                                       rng=MaxRandom(), backoff=Backoff(base_s=0.05, cap_s=0.1)) as dialer:
-            assert isinstance((await dialer.exchange(poll()))[-1], Batches)
-            assert dialer.connections_opened == 1 and dialer.identity == OPERATOR_A
-
-            scope.cancel()  # the server goes away
-            await trio.sleep(0.05)
-            with pytest.raises(ChannelError) as err:
-                await dialer.exchange(poll())
-            assert err.value.reason == "connect"
-
-            # Inside the backoff window, with a deadline before the next dial: fail fast.
-            with trio.move_on_after(0.01):
-                with pytest.raises(ChannelError, match="backing off") as err:
-                    await dialer.exchange(poll())
-                assert err.value.reason == "connect"
-
-            await op.start(nursery, bind)  # same port, new process of the server
-            assert isinstance((await dialer.exchange(poll()))[-1], Batches)
-            assert dialer.connections_opened == 2 and dialer.last_error is None
-
-
-async def test_dialer_redials_a_connection_the_server_closed_as_idle(grid, nursery):
-    op = Operator(grid)
-    op.limits = ChannelLimits(idle_s=0.2)
-    await op.start(nursery)
-    with trio.fail_after(10):
-        async with open_channel_dialer(op.url, grid.client(GATEWAY_A1), ExpectedPeer(TD, "a", "operator")) as dialer:
-            await dialer.exchange(poll())
-            await trio.sleep(0.5)  # more than idle_s without a message: the server closes
-            replies = await dialer.exchange(poll())
-    assert dialer.connections_opened == 2
-    assert [type(m) for m in replies] == [ServingConfig, Batches]  # a new connection starts over
-
-
-async def test_dialer_cancelled_mid_exchange_drops_the_connection(grid, nursery):
-    async def never_answer(session):
-        await session.receive()
-        await trio.sleep_forever()
-
-    address = await nursery.start(partial(serve_channel, "127.0.0.1:0", lambda: grid.server(OPERATOR_A),
-                                          never_answer))
-    url = f"wss://{address}/signals"
-    with trio.fail_after(10):
-        async with open_channel_dialer(url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator")) as dialer:
-            with trio.move_on_after(0.3) as budget:
-                await dialer.exchange(poll())
-            assert budget.cancelled_caught
-            with trio.move_on_after(0.3):
-                await dialer.exchange(poll())
-    # Each exchange after a cancelled one starts on a fresh connection.
-    assert dialer.connections_opened == 2
-
-
 async def test_unreachable_and_unusable_urls_map_to_bounded_reasons(grid):
     ctx = grid.client(OPERATOR_B)
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
@@ -525,3 +460,219 @@ async def test_failed_handshakes_are_logged_once_per_interval_with_counts(operat
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("signals connections refused (1 ")
     assert operator.refused("tls") + operator.refused("handshake") == 5
+
+
+# --- on trio memory streams, in MockClock time ------------------------------------------------
+#
+# The dialer's stream factory hands it one end of a trio memory stream pair; a ChannelServer
+# serves the other end. TLS, identities, the WebSocket and the operator's endpoint are all
+# real; only the transport is in memory, so every timing rule is asserted exactly.
+
+OPERATOR_URL = "wss://op-a:1/signals"
+
+
+class MemoryNet:
+    """The channel over memory streams: each dial gets a fresh pair whose far end the server
+    serves. ``reachable = False``: dials fail as a refused TCP connect would (OSError)."""
+
+    def __init__(self, nursery: trio.Nursery, server: ChannelServer) -> None:
+        self.nursery = nursery
+        self.server = server
+        self.reachable = True
+        self.dials: list[float] = []
+        self._serving: list[trio.CancelScope] = []
+
+    async def open_stream(self, host: str, port: int) -> trio.abc.Stream:
+        self.dials.append(trio.current_time())
+        if not self.reachable:
+            raise OSError(f"connection to {host}:{port} refused")
+        client, server = trio.testing.memory_stream_pair()
+        scope = trio.CancelScope()
+        self._serving.append(scope)
+        self.nursery.start_soon(self._serve, server, scope)
+        return client
+
+    async def _serve(self, stream: trio.abc.Stream, scope: trio.CancelScope) -> None:
+        with scope:
+            await self.server.serve_stream(stream, "memory")
+
+    def stop(self) -> None:
+        """The server process goes away: every connection drops, new dials are refused."""
+        self.reachable = False
+        for scope in self._serving:
+            scope.cancel()
+        self._serving.clear()
+
+
+def just_before(t: float) -> float:
+    """The last instant MockClock can stand at before ``t``."""
+    return math.nextafter(t, -math.inf)
+
+
+async def settle_at(t: float) -> None:
+    """Stand at ``t`` once every task due by then has run."""
+    await trio.sleep_until(t)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+def memory_operator(grid: Issuer, nursery: trio.Nursery, limits: ChannelLimits | None = None,
+                    handler=None) -> tuple[Operator, MemoryNet]:
+    op = Operator(grid)
+    limits = limits or ChannelLimits()
+    op.holdings.hold(held_batch("a", "llama"), trio.current_time())
+    server = ChannelServer(lambda: op.server_ctx, handler or op.endpoint.handle, limits=lambda: limits,
+                           on_refused=op.count_refused)
+    return op, MemoryNet(nursery, server)
+
+
+async def test_memory_a_silent_client_is_cut_at_exactly_the_handshake_bound(grid, nursery, autojump_clock):
+    op, net = memory_operator(grid, nursery, ChannelLimits(handshake_s=0.2))
+    t0 = trio.current_time()
+    stream = await net.open_stream("op-a", 1)
+    assert await stream.receive_some() == b""  # the server hung up on us...
+    assert trio.current_time() == t0 + 0.2  # ...at exactly handshake_s
+    assert op.refused("handshake") == 1
+
+
+async def test_memory_a_connection_idle_for_idle_s_is_closed_and_the_dialer_redials(grid, nursery,
+                                                                                   autojump_clock):
+    op, net = memory_operator(grid, nursery, ChannelLimits(idle_s=3.0))
+    async with open_channel_dialer(OPERATOR_URL, grid.client(GATEWAY_A1), ExpectedPeer(TD, "a", "operator"),
+                                   open_stream=net.open_stream) as dialer:
+        t0 = trio.current_time()
+        assert [type(m) for m in await dialer.exchange(poll())] == [ServingConfig, Batches]
+        await settle_at(t0 + 2.0)
+        await dialer.exchange(poll())  # a message re-arms the idle bound: now t0 + 5.0
+        await settle_at(just_before(t0 + 5.0))
+        assert op.endpoint.open_connections["gateway"] == 1
+        await settle_at(t0 + 5.0)
+        assert op.endpoint.open_connections["gateway"] == 0  # closed at exactly idle_s
+        replies = await dialer.exchange(poll())
+    assert dialer.connections_opened == 2 and net.dials == [t0, t0 + 5.0]
+    assert [type(m) for m in replies] == [ServingConfig, Batches]  # a new connection starts over
+
+
+async def test_memory_dialer_cancelled_mid_exchange_drops_the_connection(grid, nursery, autojump_clock):
+    async def never_answer(session):
+        await session.receive()
+        await trio.sleep_forever()
+
+    _, net = memory_operator(grid, nursery, handler=never_answer)
+    async with open_channel_dialer(OPERATOR_URL, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator"),
+                                   open_stream=net.open_stream) as dialer:
+        t0 = trio.current_time()
+        with trio.move_on_after(0.3) as budget:
+            await dialer.exchange(poll())
+        assert budget.cancelled_caught and trio.current_time() == t0 + 0.3
+        with trio.move_on_after(0.3):
+            await dialer.exchange(poll())
+    # Each exchange after a cancelled one starts on a fresh connection, at once.
+    assert dialer.connections_opened == 2 and net.dials == [t0, t0 + 0.3]
+
+
+async def test_memory_dialer_waits_out_its_backoff_exactly_and_fails_fast_inside_it(grid, nursery,
+                                                                                   autojump_clock):
+    _, net = memory_operator(grid, nursery)
+    net.reachable = False
+    async with open_channel_dialer(OPERATOR_URL, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator"),
+                                   rng=MaxRandom(), backoff=Backoff(base_s=0.2, cap_s=10.0),
+                                   open_stream=net.open_stream) as dialer:
+        t0 = trio.current_time()
+        for _ in range(2):
+            with pytest.raises(ChannelError) as err:
+                await dialer.exchange(poll())
+            assert err.value.reason == "connect"
+        # The first failure's backoff (0.2 s at most; MaxRandom draws the top) was waited out.
+        assert net.dials == [t0, t0 + 0.2]
+        # Inside the second backoff (0.4 s, to t0 + 0.6) with a deadline before it: fail fast,
+        # no dial, no time spent.
+        with trio.move_on_after(0.1):
+            with pytest.raises(ChannelError, match="backing off") as err:
+                await dialer.exchange(poll())
+        assert err.value.reason == "connect" and trio.current_time() == t0 + 0.2
+        net.reachable = True
+        assert isinstance((await dialer.exchange(poll()))[-1], Batches)
+    assert net.dials == [t0, t0 + 0.2, t0 + 0.2 + 0.4]  # the second backoff, from the second dial
+    assert dialer.connections_opened == 1 and dialer.last_error is None
+
+
+async def test_memory_dialer_redials_at_once_after_the_server_restarts(grid, nursery, autojump_clock):
+    _, net = memory_operator(grid, nursery)
+    async with open_channel_dialer(OPERATOR_URL, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator"),
+                                   rng=MaxRandom(), backoff=Backoff(base_s=0.2, cap_s=10.0),
+                                   open_stream=net.open_stream) as dialer:
+        t0 = trio.current_time()
+        assert isinstance((await dialer.exchange(poll()))[-1], Batches)
+        assert dialer.connections_opened == 1 and dialer.identity == OPERATOR_A
+        await settle_at(t0 + 1.0)
+        net.stop()  # the server goes away: the kept connection is dead, re-dials refused
+        with pytest.raises(ChannelError) as err:
+            await dialer.exchange(poll())
+        assert err.value.reason == "connect"
+        net.reachable = True  # a new process of the server
+        await settle_at(t0 + 2.0)
+        assert isinstance((await dialer.exchange(poll()))[-1], Batches)
+    # The dead kept connection was re-dialed at once (t0 + 1); after that failure the next
+    # dial waited for no longer than its backoff, which had passed by t0 + 2.
+    assert net.dials == [t0, t0 + 1.0, t0 + 2.0]
+    assert dialer.connections_opened == 2 and dialer.last_error is None
+
+
+GATEWAY_CONFIG = """
+role: gateway
+site: {site}
+replica: g1
+tls: {{ca: "{ca}", cert: "{cert}", key: "{key}"}}
+operator: {{url: "{url}"}}
+"""
+
+
+async def start_gateway(grid: Issuer, tmp_path: Path, identity: PeerIdentity, net: MemoryNet,
+                        nursery: trio.Nursery, clock) -> GatewayService:
+    """A gateway whose operator link is the real dialer, over the memory net."""
+    cert, key = grid.issue(identity)
+    path = tmp_path / "gateway.yaml"
+    path.write_text(GATEWAY_CONFIG.format(site=identity.site, ca=grid.ca_file, cert=cert, key=key, url=OPERATOR_URL))
+
+    def open_link():
+        return open_channel_dialer(OPERATOR_URL, grid.client(identity), ExpectedPeer(TD, "a", "operator"),
+                                   rng=MaxRandom(), backoff=Backoff(base_s=0.2, cap_s=10.0),
+                                   open_stream=net.open_stream)
+
+    gateway = GatewayService(load_config(path, env={}), CollectorRegistry(), wall=time.time,
+                             rng=random.Random(1), open_operator_link=open_link)
+    clock.autojump_threshold = math.inf  # start-up checks the TLS files in worker threads
+    await nursery.start(gateway.run)
+    clock.autojump_threshold = 0
+    return gateway
+
+
+async def test_gateway_polls_through_the_real_dialer_every_interval(grid, nursery, autojump_clock, tmp_path):
+    _, net = memory_operator(grid, nursery)
+    gateway = await start_gateway(grid, tmp_path, GATEWAY_A1, net, nursery, autojump_clock)
+    t0 = trio.current_time()
+    await settle_at(t0 + 2.0)
+    assert gateway.poll_results == {"ok": 3}  # +0, +1, +2 on one connection
+    assert net.dials == [t0] and gateway.operator_state == "up" and gateway.last_poll_error is None
+    assert gateway.store.candidates[("a", "llama")].batch is not None
+
+
+async def test_gateway_poll_refused_by_the_operator_is_a_refused_failure(grid, nursery, autojump_clock,
+                                                                         tmp_path, caplog):
+    """The refused branch, reached through the real dialer's contract: the operator answers
+    Error (a gateway of site b may poll only its own site's operator), the dialer raises
+    ChannelError("refused"), the shared poller counts and logs it."""
+    caplog.set_level(logging.INFO, logger="gridd.gateway")
+    op, net = memory_operator(grid, nursery)
+    gateway = await start_gateway(grid, tmp_path, GATEWAY_B1, net, nursery, autojump_clock)
+    t0 = trio.current_time()
+    await settle_at(t0 + 2.0)
+    assert gateway.poll_results == {"ok": 0, "refused": 3} and op.refused("forbidden") == 3
+    assert gateway.operator_state == "down"
+    detail = (f"{OPERATOR_A.uri} at {OPERATOR_URL}: refused (forbidden): "
+              "gateway of site 'b' may only poll its own site's operator")
+    assert gateway.last_poll_error == f"refused: {detail}"
+    # Refused polls re-dial after the backoff (0.2 s, then 0.4 s: within each interval).
+    assert net.dials == [t0, t0 + 1.0, t0 + 2.0]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("operator ")]
+    assert lines == [f"operator {OPERATOR_URL}: link down, poll failed (refused): {detail}"]

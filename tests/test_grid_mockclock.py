@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 import trio
+import trio.testing
 from prometheus_client import CollectorRegistry
 
 from gridd import wire
@@ -190,6 +191,18 @@ class Grid:
         return origin
 
 
+def just_before(t: float) -> float:
+    """The last instant MockClock can stand at before ``t``: "not yet" asserted exactly."""
+    return math.nextafter(t, -math.inf)
+
+
+async def settle_at(t: float) -> None:
+    """Stand at ``t`` once every task due by then has run (the grid is in memory, so an
+    exchange takes no virtual time)."""
+    await trio.sleep_until(t)
+    await trio.testing.wait_all_tasks_blocked()
+
+
 @pytest.fixture
 async def grid(tmp_path, autojump_clock):
     # Each test requests autojump_clock too: pytest-trio takes the clock from the test.
@@ -211,16 +224,16 @@ async def test_local_exclusion_and_rejoin_times(grid, autojump_clock):
     o = grid.origin
     await trio.sleep_until(o + 10.25)
     grid.sims["a"].set_knobs(zero_ready=True)
-    await trio.sleep_until(o + 11.4)
+    await settle_at(just_before(o + 11.5))
     assert "a" in grid.ordered_sites()
-    await trio.sleep_until(o + 11.6)
+    await settle_at(o + 11.5)
     assert grid.excluded_sites() == ["a"] and grid.ordered_sites() == ["b"]
     assert all(grid.gateway.router.decide("m").site == "b" for _ in range(100))
     await trio.sleep_until(o + 20.25)
     grid.sims["a"].set_knobs(zero_ready=False)
-    await trio.sleep_until(o + 21.4)
+    await settle_at(just_before(o + 21.5))
     assert grid.excluded_sites() == ["a"]
-    await trio.sleep_until(o + 21.6)
+    await settle_at(o + 21.5)
     assert grid.excluded_sites() == [] and "a" in grid.ordered_sites()
 
 
@@ -228,15 +241,15 @@ async def test_remote_exclusion_waits_on_the_peer_poll(grid, autojump_clock):
     o = grid.origin
     await trio.sleep_until(o + 10.25)
     grid.sims["b"].set_knobs(zero_ready=True)
-    await trio.sleep_until(o + 15.4)
+    await settle_at(just_before(o + 15.5))
     assert "b" in grid.ordered_sites()  # b's scrape at +11 read zero; a polls b at +15
-    await trio.sleep_until(o + 15.6)
+    await settle_at(o + 15.5)
     assert grid.excluded_sites() == ["b"]
     await trio.sleep_until(o + 20.25)
     grid.sims["b"].set_knobs(zero_ready=False)
-    await trio.sleep_until(o + 25.4)
+    await settle_at(just_before(o + 25.5))
     assert grid.excluded_sites() == ["b"]
-    await trio.sleep_until(o + 25.6)
+    await settle_at(o + 25.5)
     assert grid.excluded_sites() == [] and "b" in grid.ordered_sites()
 
 
@@ -338,9 +351,9 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
         await trio.sleep_until(o + 10.6)
         snap = grid.gateway.store.snapshots["m"]
         assert snap.all_full and {v.site for v in snap.ordered} == {"a", "b"}
-        await trio.sleep_until(o + 12.49)
+        await settle_at(just_before(o + 12.5))
         assert isinstance(grid.gateway.router.decide("m"), Forward)
-        await trio.sleep_until(o + 12.5)
+        await settle_at(o + 12.5)
         # every site still full: Retry-After is a whole room_after_ms
         assert grid.gateway.router.decide("m") == Shed(5.0)
         await trio.sleep_until(o + 15.25)
@@ -353,9 +366,9 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
     snap = grid.gateway.store.snapshots["m"]
     assert {v.site: v.full for v in snap.ordered} == {"a": False, "b": True}
     assert isinstance(grid.gateway.router.decide("m"), Shed)
-    await trio.sleep_until(o + 21.49)
+    await settle_at(just_before(o + 21.5))
     assert isinstance(grid.gateway.router.decide("m"), Shed)
-    await trio.sleep_until(o + 21.5)
+    await settle_at(o + 21.5)
     assert isinstance(grid.gateway.router.decide("m"), Forward)
 
 
@@ -363,19 +376,19 @@ async def test_gateway_certificate_rotation_restarts_only_the_link_and_keeps_the
     o = grid.origin
     await trio.sleep_until(o + 6.0)
     store, learner = grid.gateway.store, grid.gateway.store.candidates[("a", "pool-a")].learner
-    inner, generation = grid.gateway._ingress.inner, grid.gateway._poller_generation
+    inner, restarts = grid.gateway.ingress.inner, grid.gateway.poller_restarts
     write_certs(tmp_path / "certs", WALL0 + 6.0)  # a new CA and new certificates: a rotation
     autojump_clock.autojump_threshold = math.inf  # stage() checks files in a worker thread
     staged = await grid.gateway.stage(load_config(tmp_path / "gw-a.yaml", env={}))
     grid.gateway.commit(staged)
     autojump_clock.autojump_threshold = 0
-    assert grid.gateway._poller_generation == generation + 1 and grid.gateway._ingress.inner is not inner
+    assert grid.gateway.poller_restarts == restarts + 1 and grid.gateway.ingress.inner is not inner
     assert grid.gateway.store is store and store.candidates[("a", "pool-a")].learner is learner
     # an unchanged reload restarts nothing
     autojump_clock.autojump_threshold = math.inf
     grid.gateway.commit(await grid.gateway.stage(load_config(tmp_path / "gw-a.yaml", env={})))
     autojump_clock.autojump_threshold = 0
-    assert grid.gateway._poller_generation == generation + 1
+    assert grid.gateway.poller_restarts == restarts + 1
 
 
 async def test_a_batch_the_wire_cannot_carry_does_not_blind_the_gateway(grid, autojump_clock):

@@ -260,6 +260,11 @@ class GatewayService:
         return self.loaded.config
 
     @property
+    def ingress(self) -> SwappableTransport | None:
+        """The transport to other sites' ingress (its inner one swapped at a rotation)."""
+        return self._ingress
+
+    @property
     def poller_restarts(self) -> int:
         """Operator pollers a committed reload replaced (URL or TLS material changed)."""
         return self._poller_restarts
