@@ -25,7 +25,9 @@ from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
 from gridd.errors import ConfigError
+from gridd.link.periodic import next_start, run_periodic
 from gridd.link.session import ChannelError
+from gridd.link.supervisor import TaskSupervisor
 from gridd.operator.peers import PeerSupervisor
 from gridd.operator.service import OperatorService
 from gridd.tls import PeerIdentity, TLSMaterialError
@@ -118,6 +120,16 @@ async def test_budget_bounds_a_hanging_peer_and_the_schedule_stays_on_the_grid(a
     await trio.sleep(20.0)
     # The tick at 5 s fell inside the first exchange's budget and was skipped.
     assert h.link(PEER_B).started_at == [0.0, 10.0, 20.0, 30.0]
+
+
+async def test_an_exchange_that_overruns_the_interval_is_followed_by_the_next_at_once(autojump_clock, nursery):
+    # The one overrun policy (gridd/link/periodic.py): a 7 s exchange on a 5 s interval
+    # ends past the next start, so the next poll starts when it ends, never overlapping.
+    h = Harness()
+    h.scripts["b"] = lambda n: (7.0, []) if n == 0 else []
+    await start(nursery, h, [PEER_B])
+    await trio.sleep(17.5)
+    assert h.link(PEER_B).started_at == [0.0, 7.0, 12.0, 17.0]
 
 
 async def test_one_hanging_peer_does_not_delay_another(autojump_clock, nursery):
@@ -464,3 +476,78 @@ async def test_names_longer_than_255_characters_are_refused(autojump_clock, nurs
         assert status["batches"]["accepted"] == 1 and len(h.fences) == 1
     else:
         assert status["refused"][refused] == 1 and len(h.fences) == 0 and h.drops("identity") == 0
+
+
+# --- the link layer's loop and supervisor (gridd/link) ------------------------------------------
+
+
+async def test_periodic_runs_start_to_start_and_an_overrun_starts_the_next_at_once(autojump_clock, nursery):
+    durations = iter([0.25, 1.75, 0.25, 0.25, 0.25, 0.25])
+    starts: list[float] = []
+
+    async def body() -> None:
+        starts.append(trio.current_time())
+        await trio.sleep(next(durations))
+
+    nursery.start_soon(run_periodic, lambda: 1.0, body)
+    await trio.sleep(4.8)
+    # +2 fell inside the 1.75 s run: the next started when it ended, and the schedule goes
+    # on from there (missed starts are not made up in a burst).
+    assert starts == [0.0, 1.0, 2.75, 3.75, 4.75]
+
+
+async def test_periodic_a_late_wake_up_does_not_shift_the_schedule(mock_clock, nursery):
+    """The scrape loop used to schedule from when it actually woke (a drift of the wake-up
+    latency every pass); every loop now schedules from the previous scheduled start."""
+    starts: list[float] = []
+
+    async def body() -> None:
+        starts.append(trio.current_time())
+
+    nursery.start_soon(run_periodic, lambda: 1.0, body)
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(1.3)  # the loop wakes 0.3 s late for its start at +1
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(0.7)
+    await trio.testing.wait_all_tasks_blocked()
+    assert starts == [0.0, 1.3, 2.0]
+    assert [next_start(1.0, 1.0, 1.3), next_start(1.0, 1.0, 2.5)] == [2.0, 2.5]
+
+
+async def test_periodic_reads_the_interval_anew_after_each_start(autojump_clock, nursery):
+    intervals = iter([1.0, 2.0, 3.0])
+    starts: list[float] = []
+
+    async def body() -> None:
+        starts.append(trio.current_time())
+
+    nursery.start_soon(run_periodic, lambda: next(intervals, 3.0), body)
+    await trio.sleep(9.5)
+    assert starts == [0.0, 1.0, 3.0, 6.0, 9.0]
+
+
+async def test_supervisor_restarts_stops_and_restarts_a_failed_task_after_its_delay(autojump_clock, nursery,
+                                                                                   caplog):
+    supervisor: TaskSupervisor[str] = TaskSupervisor(restart_delay_s=lambda: 2.0,
+                                                     log=logging.getLogger("gridd.test"))
+    await nursery.start(supervisor.run)
+    runs: list[tuple[str, float]] = []
+
+    def body(name: str, fail: bool = False):
+        async def run() -> None:
+            runs.append((name, trio.current_time()))
+            if fail:
+                raise RuntimeError("bug")
+            await trio.sleep_forever()
+        return run
+
+    scope = supervisor.start("a", body("a"), label="task a")
+    supervisor.start("b", body("b", fail=True), label="task b")
+    await trio.sleep(1.0)
+    assert supervisor.restart("a") and scope.cancel_called and supervisor.restarts == 1
+    await trio.sleep(3.5)  # t = 4.5: b failed at 0, 2, 4 (restarted 2 s after each failure)
+    assert sorted(runs, key=lambda r: (r[1], r[0])) == [("a", 0.0), ("b", 0.0), ("a", 1.0), ("b", 2.0), ("b", 4.0)]
+    assert [r.getMessage() for r in caplog.records if r.name == "gridd.test"] == ["task b failed; restarting it"] * 3
+    assert supervisor.stop("b") and not supervisor.stop("b") and supervisor.keys() == ["a"]
+    await trio.sleep(5.0)
+    assert runs[-1] == ("b", 4.0) and not supervisor.restart("b")
