@@ -179,7 +179,8 @@ class Operator:
 
         async def serve(task_status=trio.TASK_STATUS_IGNORED):
             with scope:
-                await serve_channel(bind, lambda: self.server_ctx, self.endpoint.handle, limits=lambda: self.limits,
+                await serve_channel(bind, lambda: self.server_ctx, self.endpoint.handle,
+                                    limits=lambda: self.limits,
                                     on_refused=self.count_refused, task_status=task_status)
 
         address = await nursery.start(serve)
@@ -304,7 +305,8 @@ async def test_server_from_another_ca_is_refused_by_the_client(grid, other_ca, n
     op = Operator(other_ca)
     await op.start(nursery)
     with trio.fail_after(5), pytest.raises(ChannelError) as err:
-        async with open_channel_connection(op.url, grid.client(OPERATOR_B), ExpectedPeer(TD, "a", "operator")):
+        async with open_channel_connection(op.url, grid.client(OPERATOR_B),
+                                           ExpectedPeer(TD, "a", "operator")):
             pass
     assert err.value.reason == "tls"
 
@@ -440,7 +442,8 @@ async def test_unreachable_and_unusable_urls_map_to_bounded_reasons(grid):
                 pass
         assert err.value.reason == "connect"
         with pytest.raises(ChannelError) as err:
-            async with open_channel_connection("ws://127.0.0.1:1/signals", ctx, ExpectedPeer(TD, "a", "operator")):
+            async with open_channel_connection("ws://127.0.0.1:1/signals", ctx,
+                                               ExpectedPeer(TD, "a", "operator")):
                 pass
         assert err.value.reason == "protocol"
 
@@ -632,7 +635,8 @@ async def start_gateway(grid: Issuer, tmp_path: Path, identity: PeerIdentity, ne
     """A gateway whose operator link is the real dialer, over the memory net."""
     cert, key = grid.issue(identity)
     path = tmp_path / "gateway.yaml"
-    path.write_text(GATEWAY_CONFIG.format(site=identity.site, ca=grid.ca_file, cert=cert, key=key, url=OPERATOR_URL))
+    path.write_text(GATEWAY_CONFIG.format(site=identity.site, ca=grid.ca_file, cert=cert, key=key,
+                                          url=OPERATOR_URL))
 
     def open_link():
         return open_channel_dialer(OPERATOR_URL, grid.client(identity), ExpectedPeer(TD, "a", "operator"),

@@ -153,7 +153,8 @@ class Grid:
             (tmp_path / f"op-{site}.yaml").write_text(operator_config(site, other))
             client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.sims[site]))
             self.operators[site] = OperatorService(
-                load_config(tmp_path / f"op-{site}.yaml", env={}), CollectorRegistry(), wall=wall, client=client,
+                load_config(tmp_path / f"op-{site}.yaml", env={}), CollectorRegistry(), wall=wall,
+                client=client,
                 rng=random.Random(1), open_peer_link=self._peer_link(site, other))
         (tmp_path / "gw-a.yaml").write_text(GATEWAY)
         self.gateway_exchanges: list = []
@@ -310,7 +311,8 @@ async def test_dead_peer_sorts_last_within_the_ttl_and_is_then_silent(grid, auto
     # forgets it; the gateway holds b as silent from 2 x TTL: excluded (a model served only
     # by b would answer 503, not 404) until routing.candidate_retention_s (600 s).
     await trio.sleep_until(o + 44.0)
-    assert [(v.site, v.stale) for v in grid.gateway.store.snapshots["m"].ordered] == [("a", False), ("b", True)]
+    snap = grid.gateway.store.snapshots["m"]
+    assert [(v.site, v.stale) for v in snap.ordered] == [("a", False), ("b", True)]
     await trio.sleep_until(o + 47.0)
     assert grid.ordered_sites() == ["a"] and grid.excluded_sites() == ["b"]
     decisions = [grid.gateway.router.decide("m") for _ in range(20)]
@@ -330,7 +332,8 @@ async def saturate(sim, n: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await client.post("http://sim/v1/completions", json={
             "model": "m", "prompt": "x", "max_tokens": 10_000, "stream": True})
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=sim)) as client, trio.open_nursery() as nursery:
+    async with (httpx.AsyncClient(transport=httpx.ASGITransport(app=sim)) as client,
+                trio.open_nursery() as nursery):
         for _ in range(n):
             nursery.start_soon(one, client)
         task_status.started()
@@ -372,7 +375,8 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
     assert isinstance(grid.gateway.router.decide("m"), Forward)
 
 
-async def test_gateway_certificate_rotation_restarts_only_the_link_and_keeps_the_store(grid, autojump_clock, tmp_path):
+async def test_gateway_certificate_rotation_restarts_only_the_link_and_keeps_the_store(grid, autojump_clock,
+                                                                                       tmp_path):
     o = grid.origin
     await trio.sleep_until(o + 6.0)
     store, learner = grid.gateway.store, grid.gateway.store.candidates[("a", "pool-a")].learner

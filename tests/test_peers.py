@@ -122,7 +122,8 @@ async def test_budget_bounds_a_hanging_peer_and_the_schedule_stays_on_the_grid(a
     assert h.link(PEER_B).started_at == [0.0, 10.0, 20.0, 30.0]
 
 
-async def test_an_exchange_that_overruns_the_interval_is_followed_by_the_next_at_once(autojump_clock, nursery):
+async def test_an_exchange_that_overruns_the_interval_is_followed_by_the_next_at_once(autojump_clock,
+                                                                                     nursery):
     # The one overrun policy (gridd/link/periodic.py): a 7 s exchange on a 5 s interval
     # ends past the next start, so the next poll starts when it ends, never overlapping.
     h = Harness()
@@ -546,8 +547,10 @@ async def test_supervisor_restarts_stops_and_restarts_a_failed_task_after_its_de
     await trio.sleep(1.0)
     assert supervisor.restart("a") and scope.cancel_called and supervisor.restarts == 1
     await trio.sleep(3.5)  # t = 4.5: b failed at 0, 2, 4 (restarted 2 s after each failure)
-    assert sorted(runs, key=lambda r: (r[1], r[0])) == [("a", 0.0), ("b", 0.0), ("a", 1.0), ("b", 2.0), ("b", 4.0)]
-    assert [r.getMessage() for r in caplog.records if r.name == "gridd.test"] == ["task b failed; restarting it"] * 3
+    assert sorted(runs, key=lambda r: (r[1], r[0])) == [
+        ("a", 0.0), ("b", 0.0), ("a", 1.0), ("b", 2.0), ("b", 4.0)]
+    failures = [r.getMessage() for r in caplog.records if r.name == "gridd.test"]
+    assert failures == ["task b failed; restarting it"] * 3
     assert supervisor.stop("b") and not supervisor.stop("b") and supervisor.keys() == ["a"]
     await trio.sleep(5.0)
     assert runs[-1] == ("b", 4.0) and not supervisor.restart("b")

@@ -104,7 +104,8 @@ def test_two_operators_share_signals_and_refuse_strangers(tmp_path):
         path = tmp_path / f"{site}.yaml"
         path.write_text(PEERED_OPERATOR.format(
             site=site, certs=certs, metrics=ports[site][0], signals=ports[site][1], providers=providers,
-            peers="\n".join(peers) or "  []", timings="{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 4}"))
+            peers="\n".join(peers) or "  []",
+            timings="{peer_poll_interval_s: 1, peer_poll_budget_s: 2, signal_ttl_s: 4}"))
         return path
 
     with Processes(tmp_path) as procs:
@@ -128,7 +129,8 @@ def test_two_operators_share_signals_and_refuse_strangers(tmp_path):
 
         # Each operator's /metrics shows both sites' grid_provider_* series.
         for site in "ab":
-            wait_for(f"{site} to show both sites", lambda s=site: provider_sites(metrics(ports[s][0])) >= {"a", "b"})
+            wait_for(f"{site} to show both sites",
+                     lambda s=site: provider_sites(metrics(ports[s][0])) >= {"a", "b"})
 
         a_metrics = metrics(ports["a"][0])
         # c's certificate is from another CA: refused at the TLS handshake, and counted.

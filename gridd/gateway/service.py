@@ -194,8 +194,8 @@ class GatewayCollector(Collector):
         failures = CounterMetricFamily("grid_signals_feedback_failures",
                                        "Failed feedback report deliveries to the local operator, by reason.",
                                        labels=["reason"])
-        for reason in FAILURE_REASONS:
-            failures.add_metric([reason], reporter.failures[reason])
+        for failure in FAILURE_REASONS:
+            failures.add_metric([failure], reporter.failures[failure])
         yield failures
         yield CounterMetricFamily("grid_signals_feedback_delivered",
                                   "Feedback reports the local operator acknowledged as accepted.",

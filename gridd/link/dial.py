@@ -156,7 +156,11 @@ class ChannelConnection(ChannelSocket):
 
 
 async def _connect(
-    nursery: trio.Nursery, url: str, ssl_context: ssl.SSLContext, expected: ExpectedPeer, open_stream: OpenStream
+    nursery: trio.Nursery,
+    url: str,
+    ssl_context: ssl.SSLContext,
+    expected: ExpectedPeer,
+    open_stream: OpenStream,
 ) -> ChannelConnection:
     """Dial one connection whose WebSocket reader runs in ``nursery``."""
     target = parse_channel_url(url)
@@ -190,7 +194,8 @@ async def _connect(
                 raise ChannelError(f"{url}: WebSocket upgrade rejected with HTTP {host.error.status_code}",
                                    reason="refused")
             raise (tls_failure(url, watch.failure)
-                   or ChannelError(f"{url}: connection closed during the WebSocket handshake", reason="connect"))
+                   or ChannelError(f"{url}: connection closed during the WebSocket handshake",
+                                   reason="connect"))
     except BaseException:
         await trio.aclose_forcefully(tls)
         raise

@@ -197,7 +197,8 @@ class ChannelServer:
                 if host.ended.is_set():
                     refuse("handshake", f"{identity.uri} closed the connection before a WebSocket upgrade")
                 else:
-                    refuse("handshake", f"no WebSocket upgrade from {identity.uri} within {limits.handshake_s:g} s")
+                    refuse("handshake",
+                           f"no WebSocket upgrade from {identity.uri} within {limits.handshake_s:g} s")
                 connection.cancel_scope.cancel()
                 return
             session = ChannelSession(ws, watch, identity, remote)
@@ -242,7 +243,8 @@ async def serve_channel(
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
-        raise ChannelError(f"cannot listen for the signals channel on {bind}: {exc}", reason="connect") from exc
+        raise ChannelError(f"cannot listen for the signals channel on {bind}: {exc}",
+                           reason="connect") from exc
     bound = _format_address(listeners[0].socket.getsockname())
     server = ChannelServer(ssl_context_getter, handler, limits=limits, on_refused=on_refused)
 

@@ -157,7 +157,8 @@ class ReaderHost:
         self.ended = trio.Event()
         self.error: Exception | None = None
 
-    def start_soon(self, async_fn: Callable[..., Awaitable[object]], *args: object, name: object = None) -> None:
+    def start_soon(self, async_fn: Callable[..., Awaitable[object]], *args: object,
+                   name: object = None) -> None:
         self._nursery.start_soon(self._run, async_fn, args, name=name or "ws-reader")
 
     async def _run(self, async_fn: Callable[..., Awaitable[object]], args: tuple[object, ...]) -> None:
@@ -201,11 +202,15 @@ def tls_failure(where: str, exc: BaseException | None) -> ChannelError | None:
 
 def closed_error(where: str, close: trio_websocket.CloseReason | None, watch: TransportWatch) -> ChannelError:
     if close is not None and close.code == 1009:
-        return ChannelError(f"{where}: frame over the {MAX_FRAME_BYTES}-byte limit (close 1009)", reason="decode")
+        return ChannelError(f"{where}: frame over the {MAX_FRAME_BYTES}-byte limit (close 1009)",
+                            reason="decode")
     tls = tls_failure(where, watch.failure)
     if tls is not None:
         return tls
-    how = "lost" if close is None or close.code == 1006 else f"closed (code {close.code} {close.reason or ''})"
+    if close is None or close.code == 1006:
+        how = "lost"
+    else:
+        how = f"closed (code {close.code} {close.reason or ''})"
     return ChannelError(f"{where}: connection {how.rstrip()}", reason="connect")
 
 
@@ -213,7 +218,11 @@ class ChannelSocket:
     """One open WebSocket carrying wire frames; the shared half of session and connection."""
 
     def __init__(
-        self, ws: trio_websocket.WebSocketConnection, watch: TransportWatch, identity: PeerIdentity, where: str
+        self,
+        ws: trio_websocket.WebSocketConnection,
+        watch: TransportWatch,
+        identity: PeerIdentity,
+        where: str,
     ) -> None:
         self._ws = ws
         self._watch = watch

@@ -57,7 +57,8 @@ def check_channel_config(cfg: Config) -> None:
         try:
             parse_channel_url(peer.url)
         except ChannelError:
-            raise ConfigError(f"peers[{i}].url: expected a wss://host:port/path URL, got {peer.url!r}") from None
+            raise ConfigError(f"peers[{i}].url: expected a wss://host:port/path URL, "
+                              f"got {peer.url!r}") from None
 
 
 def channel_limits(timings: TimingConfig) -> ChannelLimits:
@@ -87,6 +88,7 @@ def load_operator_tls(loaded: LoadedConfig, now_wall: float) -> OperatorTLS | No
             with open(path, "rb") as f:
                 digest.update(hashlib.sha256(f.read()).digest())
         except OSError as exc:
-            raise TLSMaterialError(f"{path}: cannot read: {exc.strerror}", reason="unreadable", path=path) from exc
+            raise TLSMaterialError(f"{path}: cannot read: {exc.strerror}", reason="unreadable",
+                                   path=path) from exc
     return OperatorTLS(material, digest.hexdigest())
 

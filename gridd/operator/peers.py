@@ -77,9 +77,10 @@ class PeerPoller:
         self.admitted = {"accepted": 0, "repeat": 0, "dropped": 0}
         self.poller = Poller(
             target=peer.site,
-            lines=LinkLines(log, up=f"peer {peer.site} ({peer.url}) is up{{suffix}}",
-                            down=f"peer {peer.site} ({peer.url}) is {{down}} ({{reason}}): {{detail}}{{suffix}}",
-                            timeout="no answer within the {budget_s:g} s poll budget"),
+            lines=LinkLines(
+                log, up=f"peer {peer.site} ({peer.url}) is up{{suffix}}",
+                down=f"peer {peer.site} ({peer.url}) is {{down}} ({{reason}}): {{detail}}{{suffix}}",
+                timeout="no answer within the {budget_s:g} s poll budget"),
             # Shared by the supervisor, so a restarted poller keeps the peer's line budget.
             transitions=transitions if transitions is not None else TransitionLog(),
             interval_s=lambda: self.timings().peer_poll_interval_s,
@@ -95,7 +96,8 @@ class PeerPoller:
     def state(self) -> PeerState:
         return self.poller.state
 
-    async def run(self, link: PollLink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, link: PollLink, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.poller.run(link, task_status=task_status)
 
     def _note_failure(self, exc: ChannelError, now: float) -> None:
@@ -141,8 +143,8 @@ class PeerPoller:
         if refused_now and now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
             # One line per REFUSAL_LOG_EVERY_S at most, however hard the peer floods.
             self._refusal_logged_at = now
-            log.warning("peer %s: refusing batches over its bounds (%d this poll; %d provider names held, cap %d; "
-                        "names over %d characters refused): totals %s", self.peer.site, refused_now,
+            log.warning("peer %s: refusing batches over its bounds (%d this poll; %d provider names held, "
+                        "cap %d; names over %d characters refused): totals %s", self.peer.site, refused_now,
                         self.intake.held(verified_site), max_providers, NAME_MAX, self.refused)
 
     def status(self, now: float) -> dict[str, Any]:
@@ -240,9 +242,11 @@ class PeerSupervisor:
                 task.peer = task.poller.peer = peer
                 continue
             poller = PeerPoller(peer, fences=self.fences, holdings=self.holdings, timings=self.timings,
-                                wall=self.wall, transitions=self.transitions, intake=self.intake, limits=self.limits)
+                                wall=self.wall, transitions=self.transitions, intake=self.intake,
+                                limits=self.limits)
             task = self.tasks[key] = PeerTask(peer, poller)
-            task.scope = self.supervisor.start(key, partial(self._poll_peer, task), label=f"peer {peer.site}: poller")
+            task.scope = self.supervisor.start(key, partial(self._poll_peer, task),
+                                               label=f"peer {peer.site}: poller")
             started.append(key)
         return started
 

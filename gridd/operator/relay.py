@@ -227,7 +227,8 @@ class RelayEndpoint:
                     # classify() let only this site's gateways this far, and the intake
                     # keys what it keeps by the replica their certificate names.
                     if self.feedback is None:
-                        ack = FeedbackAck(reporter_epoch=epoch, sequence=sequence, status=FEEDBACK_NOT_IMPLEMENTED,
+                        ack = FeedbackAck(reporter_epoch=epoch, sequence=sequence,
+                                          status=FEEDBACK_NOT_IMPLEMENTED,
                                           detail="this operator does not take feedback reports yet")
                     else:
                         ack = await self.feedback(session.identity, msg)
