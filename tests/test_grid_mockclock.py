@@ -351,7 +351,7 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
         # b's scrape at +6 reaches a's peer poll at +10 and the gateway at +10.5: from then on
         # every healthy site is full (queues deeper than the batches). Shedding starts full_after_ms
         # (2 s) later, at +12.5.
-        await trio.sleep_until(o + 10.6)
+        await settle_at(o + 10.5)
         snap = grid.gateway.store.snapshots["m"]
         assert snap.all_full and {v.site for v in snap.ordered} == {"a", "b"}
         await settle_at(just_before(o + 12.5))
@@ -365,7 +365,7 @@ async def test_shedding_flips_after_full_after_and_back_after_room_after(grid, a
     # saturated reading (taken at +15) stays b's latest until a's peer poll at +20 (at the
     # gateway at +20.5). Shedding ends once some site has not been full for room_after_ms
     # (5 s), counted from +16.5 whatever b reads: at +21.5.
-    await trio.sleep_until(o + 20.4)
+    await settle_at(just_before(o + 20.5))
     snap = grid.gateway.store.snapshots["m"]
     assert {v.site: v.full for v in snap.ordered} == {"a": False, "b": True}
     assert isinstance(grid.gateway.router.decide("m"), Shed)
