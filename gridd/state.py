@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gridd.config import ProviderConfig
+from gridd.config_schema import ProviderConfig
 from gridd.errors import StateError
 
 EPOCH_FILE = "publisher_epoch"

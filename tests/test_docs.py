@@ -17,7 +17,7 @@ import pytest
 from docs_tables import table_rows
 
 from gridd.channel import CHANNEL_ERROR_REASONS
-from gridd.config import Config
+from gridd.config_schema import Config
 from gridd.core.admission import DROP_REASONS
 from gridd.core.explain import CAPACITY_BOUNDS, OUTCOMES, TIERS
 from gridd.core.feedback import FAILURE_REASONS

@@ -372,7 +372,7 @@ async def test_scrape_and_readiness_transitions_are_logged_once_each(tmp_path, a
 def test_scrape_target_sends_the_providers_key_to_its_own_origin_only():
     """docs/security.md: the issue's leak (metrics.url moved to another host got
     `authorization: Bearer <key>` on every scrape) ends; metrics.auth names an EPP's token."""
-    from gridd.config import ProviderConfig
+    from gridd.config_schema import ProviderConfig
     from gridd.operator.service import scrape_target
 
     def target(metrics):

@@ -18,9 +18,11 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from gridd.config import AuthConfig, ExtractRule, ProviderConfig, credentials_for, load_config
+from gridd.config import load_config
+from gridd.config_schema import AuthConfig, ExtractRule, ProviderConfig
 from gridd.core.probes import Extractor, ProbeSeries, SlidingAggregate, extract, parse_number, regex_hazard
 from gridd.core.publication import ProviderPublisher
+from gridd.credentials import credentials_for
 from gridd.operator.service import OperatorService
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import JsonlHistory, metadata_key
@@ -681,7 +683,7 @@ async def test_a_bug_in_a_tick_is_counted_and_the_probe_goes_on(tmp_path, autoju
 def test_a_quadratic_regex_on_a_hostile_body_times_out_instead_of_blocking():
     import time as _time
 
-    from gridd.config import ExtractRule
+    from gridd.config_schema import ExtractRule
     from gridd.core.probes import Extractor, ExtractTimeout
 
     extractor = Extractor([ExtractRule(regex=r"(\w+)\s+(\d+)")])  # passes the static hazard check

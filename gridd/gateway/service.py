@@ -26,7 +26,8 @@ from prometheus_client.registry import Collector
 
 from gridd.channel import ChannelError, ExpectedPeer, open_signals_dialer, parse_signals_url
 from gridd.clock import wall_clock
-from gridd.config import Config, LoadedConfig, http_limits
+from gridd.config import LoadedConfig, http_limits
+from gridd.config_schema import Config
 from gridd.core.cursors import held_cursors, unchanged_batches
 from gridd.core.decisions import Decision
 from gridd.core.explain import explain_model

@@ -24,13 +24,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
 from gridd.clock import wall_clock
-from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for, http_limits
+from gridd.config import LoadedConfig, http_limits
+from gridd.config_schema import Config, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
 from gridd.core.transitions import TransitionLog
+from gridd.credentials import credentials_for
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector

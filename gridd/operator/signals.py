@@ -42,7 +42,8 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from gridd.channel import ChannelError, ChannelLimits, SignalsSession, parse_signals_url
-from gridd.config import Config, LimitsConfig, LoadedConfig, PeerConfig, TimingConfig
+from gridd.config import LoadedConfig
+from gridd.config_schema import Config, LimitsConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.holdings import Holdings
 from gridd.core.peer_intake import INTAKE_REFUSALS, NAME_MAX, PeerIntake

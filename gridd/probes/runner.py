@@ -33,7 +33,7 @@ once per run of errors, and never stops the probe. A bug in a tick is logged and
 Credentials. A probe's own ``auth`` block is sent to its endpoint; without one, the provider's
 auth (bearer or header, and its custom headers) is sent only to the provider's own origin
 (scheme, host and port of ``settings.endpoint``): a probe of another host never receives the
-provider's secret (gridd.config.credentials_for; docs/security.md).
+provider's secret (gridd.credentials.credentials_for; docs/security.md).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ import httpx
 import msgspec
 import trio
 
-from gridd.config import ProbeConfig, ProviderConfig, credentials_for
+from gridd.config_schema import ProbeConfig, ProviderConfig
 from gridd.core.probes import Extractor, ExtractTimeout, ProbeSeries
 from gridd.core.publication import ProviderPublisher
+from gridd.credentials import credentials_for
 from gridd.operator.scrape import FAILURE_CLASSES, ScrapeTarget, fetch_capped
 from gridd.probes.sinks import (
     SINK_ERRORS,
