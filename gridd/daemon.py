@@ -27,6 +27,7 @@ from gridd.httpserver import serve_asgi
 from gridd.metrics_app import make_metrics_app
 from gridd.notify import Notifier
 from gridd.preflight import check_listen
+from gridd.reload_plan import plan_reload
 from gridd.roles import RoleService
 
 log = logging.getLogger("gridd.daemon")
@@ -186,18 +187,9 @@ class Daemon:
             self.notifier.reloading()
             try:
                 new = await trio.to_thread.run_sync(functools.partial(load_config, self.loaded.path, env=self.env))
-                old = self.loaded.config
-                if new.config.role != old.role or new.config.site != old.site:
-                    raise GriddError(
-                        f"{self.loaded.path}: role/site changed ({old.role}/{old.site} -> "
-                        f"{new.config.role}/{new.config.site}); restart gridd to apply", reason="config"
-                    )
-                if new.config.listen.metrics != old.listen.metrics:
-                    raise GriddError(f"{self.loaded.path}: listen.metrics changed; restart gridd to apply",
-                                     reason="config")
-                if new.config.control_socket != old.control_socket:
-                    raise GriddError(f"{self.loaded.path}: control_socket changed; restart gridd to apply",
-                                     reason="config")
+                # What the daemon itself holds (gridd.reload_plan); the role checks its own.
+                plan = plan_reload(self.loaded.config, new.config)
+                plan.refuse_restart_changes("daemon", config_file=str(self.loaded.path))
                 staged = await self.role.stage(new)
                 self.role.commit(staged)
                 self.loaded = new

@@ -33,7 +33,7 @@ from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
 from gridd.core.transitions import TransitionLog
 from gridd.credentials import credentials_for
-from gridd.errors import ConfigError, StateError
+from gridd.errors import StateError
 from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
@@ -49,6 +49,7 @@ from gridd.operator.signals import (
 )
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
+from gridd.reload_plan import plan_reload
 from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
@@ -490,19 +491,8 @@ class OperatorService:
                                 engine_answer_window_s=t.engine_answer_window_s)
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
-        cfg, old = new.config, self.config
         check_operator_config(new)
-        if cfg.listen.http != old.listen.http:
-            raise ConfigError("listen.http: changed; restart gridd to apply")
-        if http_limits(cfg) != http_limits(old):
-            raise ConfigError("limits.http_*: changed; restart gridd to apply")
-        if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
-            # The HTTP pool is sized to the limiter at start (it must never be the smaller).
-            raise ConfigError("timings.scrape_concurrency: changed; restart gridd to apply")
-        if cfg.listen.signals != old.listen.signals:
-            raise ConfigError("listen.signals: changed; restart gridd to apply")
-        if (cfg.tls is None) != (old.tls is None):
-            raise ConfigError("tls: added or removed; restart gridd to apply")
+        plan_reload(self.config, new.config).refuse_restart_changes("operator")
         # A bad certificate/key/CA rejects the reload; the old material keeps serving.
         tls = await trio.to_thread.run_sync(load_signals_tls, new, self.wall())
         # Staging changes nothing durable: the revisions are planned from the committed ones

@@ -30,7 +30,6 @@ docs/signals-channel.md is the long form, with every timeout.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -49,7 +48,7 @@ from gridd.core.holdings import Holdings
 from gridd.core.peer_intake import INTAKE_REFUSALS, NAME_MAX, PeerIntake
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError
-from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material
+from gridd.tls import PeerIdentity, TLSMaterial, check_tls_material
 from gridd.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -158,14 +157,7 @@ def load_signals_tls(loaded: LoadedConfig, now_wall: float) -> SignalsTLS | None
     cert, key, ca = (str(loaded.resolve(p)) for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca))
     material = check_tls_material(cert, key, ca, now=now_wall, expected_site=cfg.site,
                                   expected_role="operator", expected_trust_domain=cfg.trust_domain)
-    digest = hashlib.sha256()
-    for path in (cert, key, ca):
-        try:
-            with open(path, "rb") as f:
-                digest.update(hashlib.sha256(f.read()).digest())
-        except OSError as exc:
-            raise TLSMaterialError(f"{path}: cannot read: {exc.strerror}", reason="unreadable", path=path) from exc
-    return SignalsTLS(material, digest.hexdigest())
+    return SignalsTLS(material, material.files_sha256)
 
 
 # --- server side --------------------------------------------------------------------
