@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -28,7 +29,7 @@ from gridd.metrics_app import make_metrics_app
 from gridd.notify import Notifier
 from gridd.preflight import check_listen
 from gridd.reload_plan import plan_reload
-from gridd.roles import RoleService
+from gridd.roles import AttachesReload, ClearsGatewayEvidence, ExplainsRouting, RoleService
 
 log = logging.getLogger("gridd.daemon")
 
@@ -59,14 +60,12 @@ class Daemon:
         env: dict[str, str] | None = None,
         role: RoleService | None = None,
     ) -> None:
-        import os
-
         self.loaded = loaded
         self.notifier = notifier or Notifier(env)
         self.registry = registry or CollectorRegistry()
         self.env = dict(os.environ) if env is None else env
         self.role = role or build_role(loaded, self.registry)
-        if hasattr(self.role, "attach_reload"):
+        if isinstance(self.role, AttachesReload):
             # The operator's providers API persists through the same staged reload as SIGHUP.
             self.role.attach_reload(self.reload)
         self.started_wall = time.time()
@@ -218,26 +217,24 @@ class Daemon:
             outcome = await self.reload(source="gridctl")
             return {"ok": outcome["result"] == "ok", "reload": outcome}
         if cmd == "clear-feedback":
-            clear = getattr(self.role, "clear_gateway_evidence", None)
-            if clear is None:
+            if not isinstance(self.role, ClearsGatewayEvidence):
                 return {"ok": False, "error": "clear-feedback is an operator command"}
             replica = request.get("replica")
             if replica is not None and not isinstance(replica, str):
                 return {"ok": False, "error": "replica must be a string"}
             try:
-                cleared = await clear(replica)
+                cleared = await self.role.clear_gateway_evidence(replica)
             except GriddError as exc:
                 return {"ok": False, "error": str(exc)}
             return {"ok": True, "cleared": cleared}
         if cmd == "explain":
-            explain = getattr(self.role, "explain", None)
-            if explain is None:
+            if not isinstance(self.role, ExplainsRouting):
                 return {"ok": False, "error": "explain is a gateway command (this gridd runs as "
                                               f"{self.loaded.config.role}); run it against a gateway's socket"}
             model = request.get("model")
             if not isinstance(model, str) or not model:
                 return {"ok": False, "error": "explain needs a model name"}
-            return {"ok": True, "explain": explain(model)}
+            return {"ok": True, "explain": self.role.explain(model)}
         return {"ok": False, "error": f"unknown command {cmd!r} (status, reload, clear-feedback, explain)"}
 
     def status(self) -> dict[str, Any]:
@@ -255,7 +252,7 @@ class Daemon:
             "role": cfg.role,
             "site": cfg.site,
             "version": __version__,
-            "pid": __import__("os").getpid(),
+            "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
             "state": state,
             "config_file": str(self.loaded.path),

@@ -11,7 +11,7 @@ import itertools
 import logging
 import random
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import Any
@@ -50,6 +50,7 @@ from gridd.operator.signals import (
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
 from gridd.reload_plan import plan_reload
+from gridd.roles import StagedReload
 from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
@@ -183,7 +184,7 @@ class OperatorService:
         registry.register(ProbeCollector(self.probes.snapshot, own_site=loaded.config.site))
         # The providers API (docs/providers-api.md) on listen.http; its mutations go through
         # the daemon's staged reload, attached by the daemon (attach_reload).
-        self._reload: Callable[..., Awaitable[Mapping[str, Any]]] | None = None
+        self._reload: StagedReload | None = None
         self.api_token: str | None = None
         self.api = ProvidersAPI(loaded=lambda: self.loaded, reload=self._reload_for_api,
                                 write_token=lambda: self.api_token)
@@ -195,7 +196,7 @@ class OperatorService:
     def config(self) -> Config:
         return self.loaded.config
 
-    def attach_reload(self, reload: Callable[..., Awaitable[Mapping[str, Any]]]) -> None:
+    def attach_reload(self, reload: StagedReload) -> None:
         """The daemon's staged reload (the one SIGHUP runs), for the providers API."""
         self._reload = reload
 
