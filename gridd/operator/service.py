@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import msgspec
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
@@ -27,7 +27,7 @@ from gridd.clock import wall_clock
 from gridd.config import LoadedConfig, http_limits
 from gridd.config_schema import Config, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
-from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
+from gridd.core.feedback import GatewayEvidenceLedger
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
@@ -36,6 +36,7 @@ from gridd.credentials import credentials_for
 from gridd.errors import StateError
 from gridd.httpserver import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
+from gridd.operator.gateway_feedback import GatewayFeedbackIntake
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
 from gridd.operator.signals import (
     PeerLink,
@@ -51,17 +52,12 @@ from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
 from gridd.reload_plan import plan_reload
 from gridd.roles import StagedReload
-from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
+from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions
 from gridd.tls import PeerIdentity
-from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
+from gridd.wire import FeedbackAck, FeedbackReport
 
 log = logging.getLogger("gridd.operator")
 
-# The gateway evidence ledger in the state directory (docs/feedback.md).
-FEEDBACK_FILE = "gateway_feedback.json"
-# The FeedbackAck status when the ledger could not be written durably: the gateway counts
-# it as `status` and keeps its evidence for retry.
-FEEDBACK_NOT_STORED = "not_stored"
 
 
 class StagedOperator(msgspec.Struct, frozen=True):
@@ -141,24 +137,10 @@ class OperatorService:
         self._draining = False
         self.signals_metrics = SignalsMetrics(registry)
         self.signals_address: str | None = None
-        # Gateway rejection reports (spec): per-replica evidence, kept durably. Writes are
-        # serialized; a report is acknowledged only once what it changed is on disk.
-        self.gateway_evidence = GatewayEvidenceLedger()
-        self._evidence_lock = trio.Lock()
-        # Runs the ledger's blocking file IO off the event loop (tests on a MockClock pass
-        # one that stays on it, so virtual time does not leap while a thread runs).
+        # Runs blocking state-directory IO off the event loop (tests on a MockClock pass one
+        # that stays on it, so virtual time does not leap while a thread runs).
         self._state_io = state_io
-        self._evidence_version = 0  # bumped per change
-        self._evidence_written = 0  # the version last written durably
-        self.evidence_load_error: str | None = None
-        self.feedback_reports_accepted = 0
-        self._feedback_reports = Counter(
-            "grid_signals_feedback_reports_accepted", "Gateway feedback reports acknowledged as accepted.",
-            registry=registry)
-        # Unlabelled: report contents (replicas included) never become metric labels.
-        Gauge("grid_signals_gateway_replicas_rejecting",
-              "Gateway replicas of this site with unresolved skew-rejection evidence (GatewayAgesRejected).",
-              registry=registry).set_function(lambda: len(self.gateway_evidence.unresolved()))
+        self.feedback = GatewayFeedbackIntake(self.state.path, registry, wall=wall, state_io=state_io)
         self.endpoint = SignalsEndpoint(config=lambda: self.config, holdings=self.holdings,
                                         metrics=self.signals_metrics, wall=wall, feedback=self.take_feedback)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
@@ -260,68 +242,19 @@ class OperatorService:
 
     # -- gateway feedback ----------------------------------------------------------------
 
+    @property
+    def gateway_evidence(self) -> GatewayEvidenceLedger:
+        return self.feedback.ledger
+
     async def load_gateway_evidence(self) -> None:
-        """Read the ledger back before the signals channel opens (spec: recovery rules
-        "preserve unresolved replica evidence across ... operator restart"). An unreadable
-        file is logged and shown in status, and the next write replaces it."""
-        path = self.state.path / FEEDBACK_FILE
-
-        def read() -> bytes | None:
-            try:
-                return path.read_bytes()
-            except FileNotFoundError:
-                return None
-
-        try:
-            data = await self._state_io(read)
-            if data is not None:
-                self.gateway_evidence = GatewayEvidenceLedger.from_bytes(data)
-        except (OSError, LedgerDecodeError) as exc:
-            self.evidence_load_error = f"{path}: {exc}"
-            log.error("gateway feedback evidence unreadable, starting empty: %s", self.evidence_load_error)
-            return
-        unresolved = self.gateway_evidence.unresolved()
-        if unresolved:
-            log.warning("gateway replicas with unresolved skew rejections: %s", ", ".join(unresolved))
-
-    async def _store_gateway_evidence(self) -> bool:
-        """Write the ledger durably, off the event loop, if a change is not on disk yet.
-        True once every change so far is written (by this call or a concurrent one)."""
-        async with self._evidence_lock:
-            if self._evidence_written >= self._evidence_version:
-                return True
-            version, data = self._evidence_version, self.gateway_evidence.to_bytes()
-            try:
-                await self._state_io(write_durably, self.state.path / FEEDBACK_FILE, data)
-            except StateError as exc:
-                log.error("gateway feedback evidence not stored: %s", exc)
-                return False
-            self._evidence_written = version
-            return True
+        await self.feedback.load()
 
     async def take_feedback(self, identity: PeerIdentity, report: FeedbackReport) -> FeedbackAck:
-        """The signals channel's feedback intake: one report from a verified gateway of this
-        site, answered once its effect is durable."""
-        result = self.gateway_evidence.apply(identity.replica or "", report, now_wall=self.wall())
-        if result.changed:
-            self._evidence_version += 1
-        # A replayed report changes nothing but still waits for an earlier failed write.
-        if not await self._store_gateway_evidence():
-            return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence,
-                               status=FEEDBACK_NOT_STORED, detail="the evidence could not be written durably")
-        self._feedback_reports.inc()
-        self.feedback_reports_accepted += 1
-        return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence, status=ACK_ACCEPTED)
+        return await self.feedback.take(identity, report)
 
     async def clear_gateway_evidence(self, replica: str | None) -> list[str]:
-        """An administrator resolves GatewayAgesRejected for one replica (None: all)."""
-        cleared = self.gateway_evidence.clear(replica, now_wall=self.wall())
-        if cleared:
-            self._evidence_version += 1
-            if not await self._store_gateway_evidence():
-                raise StateError("gateway feedback evidence cleared in memory but not written durably")
-            log.info("gateway skew evidence cleared by an administrator: %s", ", ".join(cleared))
-        return cleared
+        """gridctl clear-feedback (gridd.roles.ClearsGatewayEvidence)."""
+        return await self.feedback.clear(replica)
 
     def _server_context(self) -> ssl.SSLContext:
         assert self.tls is not None
@@ -602,12 +535,5 @@ class OperatorService:
             },
             # Independent of peer diagnostics (spec): explains discarded signals, changes
             # no network phase and no routing.
-            "gateway_feedback": {
-                "conditions": self.gateway_evidence.conditions(self.wall()),
-                "replicas_rejecting": self.gateway_evidence.unresolved(),
-                "reports_accepted": self.feedback_reports_accepted,
-                "evicted_replicas": self.gateway_evidence.evicted,
-                "stored": self._evidence_written >= self._evidence_version,
-                "load_error": self.evidence_load_error,
-            },
+            "gateway_feedback": self.feedback.status(),
         }
