@@ -35,7 +35,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from gridd.sim.model import ModelSnapshot, SimKnobs
+from gridd.sim.counters import ModelSnapshot
+from gridd.sim.model import SimKnobs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BODY_CAP_BYTES = 1 << 20
