@@ -83,7 +83,8 @@ class Daemon:
         )
         for result in ("ok", "error"):
             self._reloads.labels(result)
-        info = Gauge("gridd_info", "gridd build and role.", ["version", "role", "site"], registry=self.registry)
+        info = Gauge("gridd_info", "gridd build and role.", ["version", "role", "site"],
+                     registry=self.registry)
         info.labels(__version__, loaded.config.role, loaded.config.site).set(1)
         Gauge("gridd_start_time_seconds", "Wall-clock start time of the process.",
               registry=self.registry).set(self.started_wall)
@@ -185,7 +186,8 @@ class Daemon:
         async with self._reload_lock:
             self.notifier.reloading()
             try:
-                new = await trio.to_thread.run_sync(functools.partial(load_config, self.loaded.path, env=self.env))
+                new = await trio.to_thread.run_sync(
+                    functools.partial(load_config, self.loaded.path, env=self.env))
                 # What the daemon itself holds (gridd.reload_plan); the role checks its own.
                 plan = plan_reload(self.loaded.config, new.config)
                 plan.refuse_restart_changes("daemon", config_file=str(self.loaded.path))
@@ -230,7 +232,8 @@ class Daemon:
         if cmd == "explain":
             if not isinstance(self.role, ExplainsRouting):
                 return {"ok": False, "error": "explain is a gateway command (this gridd runs as "
-                                              f"{self.loaded.config.role}); run it against a gateway's socket"}
+                                              f"{self.loaded.config.role}); "
+                                              "run it against a gateway's socket"}
             model = request.get("model")
             if not isinstance(model, str) or not model:
                 return {"ok": False, "error": "explain needs a model name"}
@@ -277,5 +280,7 @@ def running_task_names() -> list[str]:
                 if depth < 6:
                     walk(child, depth + 1)
 
-    walk(trio.lowlevel.current_root_task(), 0)
+    root = trio.lowlevel.current_root_task()
+    if root is not None:  # None only outside trio.run
+        walk(root, 0)
     return sorted(set(names))

@@ -139,6 +139,7 @@ def parse_identity_uri(uri: str) -> PeerIdentity:
     trust_domain = parts[0]
     if not is_valid_trust_domain(trust_domain):
         raise IdentityError(f"invalid trust domain in {uri!r}")
+    role: Role
     match parts[1:]:
         case ["site", site, "operator"]:
             role, replica = "operator", None

@@ -107,7 +107,8 @@ class GatewayFeedbackIntake:
                                status=FEEDBACK_NOT_STORED, detail="the evidence could not be written durably")
         self._reports.inc()
         self.reports_accepted += 1
-        return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence, status=ACK_ACCEPTED)
+        return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence,
+                           status=ACK_ACCEPTED)
 
     async def clear(self, replica: str | None) -> list[str]:
         """An administrator resolves GatewayAgesRejected for one replica (None: all)."""

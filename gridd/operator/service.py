@@ -160,7 +160,8 @@ class OperatorService:
         ))
         # Probes (spec 004) get their own HTTP pool and limiter, sized like the scrape pool's,
         # so they never queue inside the scrape client's pool (STYLE 8).
-        self.probes = ProbeRunner(publisher=self.publishers.get, resolve=lambda path: self.loaded.resolve(path),
+        self.probes = ProbeRunner(publisher=self.publishers.get,
+                                  resolve=lambda path: self.loaded.resolve(path),
                                   body_cap=lambda: self.config.timings.body_cap_bytes, wall=wall,
                                   concurrency=loaded.config.timings.scrape_concurrency, run_io=probe_io)
         registry.register(ProbeCollector(self.probes.snapshot, own_site=loaded.config.site))
@@ -206,7 +207,8 @@ class OperatorService:
             self.api_token = await trio.to_thread.run_sync(self.state.api_token)
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         claim = await trio.to_thread.run_sync(partial(
-            self.state.claim_publisher_epoch, self.wall(), future_bound_s=self.config.timings.future_epoch_bound_s))
+            self.state.claim_publisher_epoch, self.wall(),
+            future_bound_s=self.config.timings.future_epoch_bound_s))
         self._adopt_epoch(claim)
         self.revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
         self._apply_providers(self.revisions)
@@ -277,7 +279,8 @@ class OperatorService:
         # The readiness floor (one interval + max(interval, latest measured pass)) overrides
         # staleMetricsSeconds when longer (spec: Provider Readiness). The pass still running
         # counts as soon as it has run longer than the last finished one.
-        last_pass = measured_pass_s(pool.last_pass_s, pool.pass_started_at, trio.current_time()) if pool else 0.0
+        last_pass = (measured_pass_s(pool.last_pass_s, pool.pass_started_at, trio.current_time())
+                     if pool else 0.0)
         return effective_stale_after_s(t.effective_stale_metrics_s, t.scrape_interval_s, last_pass)
 
     def _current_verdict(self, publisher: ProviderPublisher) -> Verdict:
@@ -295,7 +298,8 @@ class OperatorService:
             self._epoch_clock_resets.inc()
             log.warning("publisher epoch %d was %d s ahead of the wall clock, beyond the %g s skew bound "
                         "receivers apply: restarted the epoch from the clock at %d", claim.discarded,
-                        claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s, claim.epoch)
+                        claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s,
+                        claim.epoch)
 
     def _epoch_beyond_clock(self) -> bool:
         epoch = self.publisher_epoch
@@ -314,7 +318,8 @@ class OperatorService:
                     future_bound_s=self.config.timings.future_epoch_bound_s))
             except StateError as exc:
                 if not self._epoch_claim_failing:
-                    log.error("publisher epoch is beyond the skew bound, but a new one cannot be claimed: %s", exc)
+                    log.error("publisher epoch is beyond the skew bound, but a new one cannot be claimed: %s",
+                              exc)
                 self._epoch_claim_failing = True
                 return
             self._epoch_claim_failing = False
@@ -371,7 +376,8 @@ class OperatorService:
         scrape = "ok" if failing is None else f"failing ({failing})"
         if (line := self.transitions.observe(("scrape", name), scrape, now, baseline="ok")) is not None:
             if failing is not None:
-                log.warning("provider %s: scrape %s: %s%s", name, scrape, summary.last_failure_detail, line.suffix())
+                log.warning("provider %s: scrape %s: %s%s", name, scrape, summary.last_failure_detail,
+                            line.suffix())
             else:
                 was = f", was {line.old}" if line.old not in (None, "ok") else ""
                 log.info("provider %s: scrape recovered%s%s", name, was, line.suffix())
@@ -414,14 +420,15 @@ class OperatorService:
                     generation=rev.generation, publisher_epoch=self.publisher_epoch or 0, created_at=now,
                     next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, kind=kind,
                     adapters=adapters, latency_window_s=t.latency_window_s,
-                    latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
-                    metrics_source=source is not None,
+                    latency_min_completed=t.latency_min_completed,
+                    engine_answer_window_s=t.engine_answer_window_s, metrics_source=source is not None,
                 )
             else:
                 existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
                                      pool=pool, queue_full_at=queue_full_at, kind=kind, adapters=adapters,
                                      metrics_source=source is not None)
-                existing.retune(latency_window_s=t.latency_window_s, latency_min_completed=t.latency_min_completed,
+                existing.retune(latency_window_s=t.latency_window_s,
+                                latency_min_completed=t.latency_min_completed,
                                 engine_answer_window_s=t.engine_answer_window_s)
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
@@ -519,7 +526,8 @@ class OperatorService:
         return {
             "publisher_epoch": self.publisher_epoch,
             "stale_after_s": round(stale_after, 3),
-            "last_pass_s": None if self.pool is None or self.pool.last_pass_s is None else round(self.pool.last_pass_s, 4),
+            "last_pass_s": (None if self.pool is None or self.pool.last_pass_s is None
+                            else round(self.pool.last_pass_s, 4)),
             "providers": providers,
             "held_readings": len(self.holdings),
             "signals": {

@@ -81,7 +81,9 @@ class ProbeSpec(msgspec.Struct, frozen=True):
     """Resolved paths of the file sinks, in ``publish`` order."""
 
 
-def probe_specs(providers: list[ProviderConfig], resolve: Callable[[str], pathlib.Path]) -> dict[ProbeKey, ProbeSpec]:
+def probe_specs(
+    providers: list[ProviderConfig], resolve: Callable[[str], pathlib.Path]
+) -> dict[ProbeKey, ProbeSpec]:
     """The probes that should run: the enabled probes of the enabled providers."""
     wanted: dict[ProbeKey, ProbeSpec] = {}
     for provider in providers:
@@ -91,7 +93,8 @@ def probe_specs(providers: list[ProviderConfig], resolve: Callable[[str], pathli
             if not probe.enabled:
                 continue
             url = probe.endpoint or provider.settings.endpoint
-            files = tuple(str(file_sink_path(resolve, s.path)) for s in probe.publish if s.to == "file" and s.path)
+            files = tuple(str(file_sink_path(resolve, s.path))
+                          for s in probe.publish if s.to == "file" and s.path)
             wanted[(provider.name, probe.name)] = ProbeSpec(provider.name, probe, url,
                                                             credentials_for(url, probe.auth, provider), files)
     return wanted
@@ -220,7 +223,8 @@ class ProbeRunner:
                 stats.restarts += 1
             task = self.tasks[key] = ProbeTask(spec, stats, self._sinks(spec))
             for index, reason in task.extractor.refused:
-                log.warning("probe %s/%s: extract[%d] refused: %s", spec.provider, spec.probe.name, index, reason)
+                log.warning("probe %s/%s: extract[%d] refused: %s", spec.provider, spec.probe.name, index,
+                            reason)
             self._nursery.start_soon(self._run_probe, task, name=f"probe:{spec.provider}/{spec.probe.name}")
         in_use = {pathlib.Path(p) for task in self.tasks.values() for p in task.spec.files}
         for path in [p for p in self.histories if p not in in_use]:
@@ -384,7 +388,8 @@ class ProbeRunner:
                 "failures": dict(s.failures),
                 "last_failure_class": s.last_failure_class,
                 "last_failure_detail": s.last_failure_detail,
-                "last_success_age_s": None if s.last_success_at is None else round(now - s.last_success_at, 3),
+                "last_success_age_s": (None if s.last_success_at is None
+                                       else round(now - s.last_success_at, 3)),
                 "series": s.series,
                 "dropped_series": s.dropped_series,
                 "skipped_ticks": s.skipped_ticks,

@@ -147,6 +147,12 @@ class _Request:
     first_token_at: float | None = None
 
 
+def _started(req: _Request) -> float:
+    """When a running request started (set by ``_start``, before it is running)."""
+    assert req.started_at is not None
+    return req.started_at
+
+
 @dataclass(slots=True)
 class _Endpoint:
     index: int
@@ -349,7 +355,7 @@ class SimModel:
             due: tuple[float, int, str] | None = None
             for order, ep in enumerate(self._endpoints):
                 for req in ep.running.values():
-                    at = req.started_at + req.ttft_s + (req.output_tokens - 1) * req.tpot_s
+                    at = _started(req) + req.ttft_s + (req.output_tokens - 1) * req.tpot_s
                     if at <= now + _EPS and (due is None or (at, order) < due[:2]):
                         due = (at, order, req.request_id)
             if due is None:
@@ -358,7 +364,7 @@ class SimModel:
             done.append(due[2])
 
     def _tokens_generated(self, now: float, req: _Request) -> int:
-        first = req.started_at + req.ttft_s
+        first = _started(req) + req.ttft_s
         if now + _EPS < first:
             return 0
         if req.tpot_s <= 0:
@@ -367,7 +373,8 @@ class SimModel:
 
     def _observe_success(self, now: float, req: _Request, ep: _Endpoint, reason: str) -> None:
         n = req.output_tokens
-        engine_first = req.started_at + req.ttft_s
+        started = _started(req)
+        engine_first = started + req.ttft_s
         client_first = req.first_token_at if req.first_token_at is not None else engine_first
         e2e = now - req.arrival
         pool = self._pool.histograms
@@ -387,11 +394,12 @@ class SimModel:
         stats.generation_tokens += n
         eh = stats.histograms
         arrived = req.dispatched_at
+        assert arrived is not None  # dispatched before it started
         eh["time_to_first_token_seconds"].observe(engine_first - arrived)
         eh["e2e_request_latency_seconds"].observe(now - arrived)
-        eh["request_queue_time_seconds"].observe(req.started_at - arrived)
-        eh["request_inference_time_seconds"].observe(now - req.started_at)
-        eh["request_prefill_time_seconds"].observe(engine_first - req.started_at)
+        eh["request_queue_time_seconds"].observe(started - arrived)
+        eh["request_inference_time_seconds"].observe(now - started)
+        eh["request_prefill_time_seconds"].observe(engine_first - started)
         eh["request_decode_time_seconds"].observe(now - engine_first)
         if n > 1:
             gap = (now - engine_first) / (n - 1)
