@@ -503,7 +503,9 @@ def test_reissue_replaces_the_pair(grid: Path, capsys: pytest.CaptureFixture[str
     assert not [p for p in grid.iterdir() if p.name.startswith(".")]
 
 
-def test_files_digest_covers_exactly_the_checked_files(grid: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_files_digest_covers_exactly_the_checked_files(
+    grid: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The one TLS file digest (both roles restart their links when it changes): SHA-256 over
     the certificate's, the key's and the CA bundle's own SHA-256, in that order."""
     first = material(grid, "a-operator")

@@ -131,8 +131,8 @@ async def test_control_commands_reach_only_the_abilities_a_role_declares(workspa
         daemon.request_stop()
     if not able:
         assert clear == bad_replica == {"ok": False, "error": "clear-feedback is an operator command"}
-        assert explain == {"ok": False, "error": "explain is a gateway command (this gridd runs as operator); "
-                                                 "run it against a gateway's socket"}
+        assert explain == {"ok": False, "error": "explain is a gateway command (this gridd runs as "
+                                                 "operator); run it against a gateway's socket"}
         return
     assert role.reload == daemon.reload  # attached: the providers API reloads like SIGHUP
     assert clear == {"ok": True, "cleared": ["g2"]} and role.cleared == ["g2"]
@@ -294,8 +294,9 @@ def _gridd(*args, env=None, **kw):
 
 
 def _gridctl(*args, timeout=30):
-    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                           *args], capture_output=True, text=True, timeout=timeout)
+    code = "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.realproc

@@ -31,6 +31,9 @@ tls: {ca: ca.pem, cert: gw.pem, key: gw.key}
 """
 
 
+LIMITS = "limits.http_*: changed; restart gridd to apply"
+
+
 def _config(text: str, extra: str = ""):
     return parse_config(text + extra, env={})[0]
 
@@ -61,10 +64,9 @@ def test_each_held_setting_names_its_holder_and_the_reloads_answer(base, old, ne
 
 
 @pytest.mark.parametrize(("extra", "holders", "message"), [
-    ("limits: {http_max_connections: 10}\n", ("operator", "gateway"), "limits.http_*: changed; restart gridd to apply"),
-    ("limits: {http_body_deadline_s: 5}\n", ("operator", "gateway"), "limits.http_*: changed; restart gridd to apply"),
-    ("limits: {http_max_buffered_bytes: 1024}\n", ("operator", "gateway"),
-     "limits.http_*: changed; restart gridd to apply"),
+    ("limits: {http_max_connections: 10}\n", ("operator", "gateway"), LIMITS),
+    ("limits: {http_body_deadline_s: 5}\n", ("operator", "gateway"), LIMITS),
+    ("limits: {http_max_buffered_bytes: 1024}\n", ("operator", "gateway"), LIMITS),
     ("timings: {scrape_concurrency: 4}\n", ("operator",),
      "timings.scrape_concurrency: changed; restart gridd to apply"),
     # applied by a reload: no restart for anyone
@@ -84,9 +86,10 @@ def test_limits_and_timings_restart_only_what_holds_them(extra, holders, message
 
 
 def test_tls_added_or_removed_needs_an_operator_restart():
-    without_tls = OPERATOR.replace("tls: {ca: ca.pem, cert: op.pem, key: op.key}\n", "").replace(
-        'signals: "127.0.0.1:9200", ', "").replace('peers: [{site: b, url: "wss://127.0.0.1:9201/signals"}]\n', "")
-    plan = plan_reload(_config(without_tls), _config(without_tls, "tls: {ca: ca.pem, cert: op.pem, key: op.key}\n"))
+    tls = "tls: {ca: ca.pem, cert: op.pem, key: op.key}\n"
+    without_tls = (OPERATOR.replace(tls, "").replace('signals: "127.0.0.1:9200", ', "")
+                   .replace('peers: [{site: b, url: "wss://127.0.0.1:9201/signals"}]\n', ""))
+    plan = plan_reload(_config(without_tls), _config(without_tls, tls))
     assert [n.message for n in plan.held_by("operator")] == ["tls: added or removed; restart gridd to apply"]
     # other files for the same slots are a rotation, applied by the reload
     rotated = plan_reload(_config(OPERATOR), _config(OPERATOR.replace("op.pem", "op-2.pem")))
@@ -95,8 +98,9 @@ def test_tls_added_or_removed_needs_an_operator_restart():
 
 def test_the_first_setting_in_check_order_is_refused_and_the_daemon_names_its_file():
     old = _config(OPERATOR)
-    new = _config(OPERATOR.replace('signals: "127.0.0.1:9200"', 'signals: "127.0.0.1:9209"')
-                  .replace('http: "127.0.0.1:9300"', 'http: "127.0.0.1:9301"'), "timings: {scrape_concurrency: 4}\n")
+    moved_listeners = (OPERATOR.replace('signals: "127.0.0.1:9200"', 'signals: "127.0.0.1:9209"')
+                       .replace('http: "127.0.0.1:9300"', 'http: "127.0.0.1:9301"'))
+    new = _config(moved_listeners, "timings: {scrape_concurrency: 4}\n")
     plan = plan_reload(old, new)
     assert [n.setting for n in plan.held_by("operator")] == [
         "listen.http", "timings.scrape_concurrency", "listen.signals"]
