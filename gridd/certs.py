@@ -278,7 +278,9 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         raise _Failure(f"{key_path}: not an unencrypted PEM private key") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise _Failure(f"{key_path}: not an ECDSA key")
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+    cert_key = cert.public_key()
+    if (not isinstance(cert_key, ec.EllipticCurvePublicKey)
+            or key.public_key().public_numbers() != cert_key.public_numbers()):
         raise _Failure(f"{key_path} does not match {cert_path}")
     trust_domain = declared_trust_domain(cert)
     if trust_domain is None:

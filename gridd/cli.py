@@ -70,7 +70,8 @@ def _check_config(path: str | None) -> int:
     from gridd.preflight import check_runnable
 
     if path is None:
-        print("gridd check-config: no config file given (argument, $GRIDD_CONFIG or $GATEWAY_CONFIG)", file=sys.stderr)
+        print("gridd check-config: no config file given (argument, $GRIDD_CONFIG or $GATEWAY_CONFIG)",
+              file=sys.stderr)
         return EXIT_USAGE
     try:
         loaded = load_config(path)
@@ -83,7 +84,8 @@ def _check_config(path: str | None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     cfg = loaded.config
-    print(f"{path}: ok ({cfg.role} for site {cfg.site}, {len(cfg.providers)} providers, {len(cfg.peers)} peers)")
+    print(f"{path}: ok ({cfg.role} for site {cfg.site}, {len(cfg.providers)} providers, "
+          f"{len(cfg.peers)} peers)")
     for note in notes:
         print(f"note: {note}")
     return EXIT_OK
@@ -140,19 +142,23 @@ def _gridctl_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
     reload = sub.add_parser("reload", help="reload the config file (staged: a bad file changes nothing)")
     reload.add_argument("--json", action="store_true", help="print JSON")
-    clear = sub.add_parser("clear-feedback", help="operator: resolve GatewayAgesRejected (one replica or all)")
+    clear = sub.add_parser("clear-feedback",
+                           help="operator: resolve GatewayAgesRejected (one replica or all)")
     clear.add_argument("--replica", help="the gateway replica (default: every replica)")
     clear.add_argument("--json", action="store_true", help="print JSON")
-    providers = sub.add_parser("providers", help="operator: read or change providers through the providers API "
-                                                 "(with the token file's token)")
+    providers = sub.add_parser("providers",
+                               help="operator: read or change providers through the providers API "
+                                    "(with the token file's token)")
     providers.add_argument("action", choices=("list", "get", "set", "delete"))
     providers.add_argument("name", nargs="?", help="the provider (get, set, delete)")
     providers.add_argument("--file", help="set: the JSON body (default: standard input)")
-    explain = sub.add_parser("explain", help="gateway: why MODEL routes as it does (candidates, chances, reasons)")
+    explain = sub.add_parser("explain",
+                             help="gateway: why MODEL routes as it does (candidates, chances, reasons)")
     explain.add_argument("model", help="the model name requests carry")
     explain.add_argument("--json", action="store_true", help="print JSON")
     watch = sub.add_parser("watch", help="refresh `status` or `explain MODEL` in place until Ctrl-C")
-    watch.add_argument("view", nargs="*", metavar="status | explain MODEL", help="what to show (default: status)")
+    watch.add_argument("view", nargs="*", metavar="status | explain MODEL",
+                       help="what to show (default: status)")
     watch.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
     watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
     watch.add_argument("--json", action="store_true", help="print one JSON answer per line, no redraw")
@@ -230,7 +236,8 @@ def _gridctl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         path = _socket_path(args)
         # providers: the status names the API's URL and token file; the call goes there.
-        reply = request(path, "status" if args.command == "providers" else args.command, **_command_args(args))
+        command = "status" if args.command == "providers" else args.command
+        reply = request(path, command, **_command_args(args))
         if args.command == "providers" and reply.get("ok"):
             code, body = _providers_call(reply["status"], args)
             print(json.dumps(body, indent=2) if body is not None else f"HTTP {code}")
@@ -307,7 +314,8 @@ def _watch(args: argparse.Namespace) -> int:
             return {"ok": False, "error": str(exc)}
 
     title = f"gridctl {' '.join(view)}"
-    return watch_frames(fetch, lambda reply: render_reply(command, reply), title=title, interval_s=args.interval,
+    return watch_frames(fetch, lambda reply: render_reply(command, reply), title=title,
+                        interval_s=args.interval,
                         count=args.count, as_json=args.json, out=sys.stdout,
                         clear=sys.stdout.isatty() and not args.json)
 
@@ -379,7 +387,8 @@ def _provider_row(p: dict[str, Any]) -> list[Any]:
     if failure is None and p.get("invalid_fields"):
         # The scrape succeeded but fields were left out as out of range (published absent).
         failure = "invalid:" + ",".join(p["invalid_fields"])
-    return [p["name"], ready, p.get("reason", "-"), _fmt(p.get("ready_endpoints")), _fmt(p.get("in_flight"), ".1f"),
+    return [p["name"], ready, p.get("reason", "-"), _fmt(p.get("ready_endpoints")),
+            _fmt(p.get("in_flight"), ".1f"),
             kv, ttft, _fmt(latency.get("error_ratio"), ".3f"), _secs(p.get("scrape_age_s")) + " ago",
             _fmt(failure)]
 
@@ -396,7 +405,8 @@ def format_status(s: dict[str, Any]) -> str:
         f"role        {s['role']}",
         f"site        {s['site']}",
         f"state       {s['state']}  (pid {s['pid']}, up {s['uptime_s']:.0f}s, gridd {s['version']})",
-        *([f"degraded    {s['role_status']['degraded']}"] if (s.get("role_status") or {}).get("degraded") else []),
+        *([f"degraded    {s['role_status']['degraded']}"]
+          if (s.get("role_status") or {}).get("degraded") else []),
         f"config      {s['config_file']}",
         f"loaded      {_age(s['config_loaded_at'])}",
     ]
@@ -412,7 +422,8 @@ def format_status(s: dict[str, Any]) -> str:
     lines.append(f"tasks       {', '.join(s['tasks'])}")
     role = s.get("role_status") or {}
     if s["role"] == "operator":
-        lines.append(f"epoch       {role.get('publisher_epoch')}  (stale after {role.get('stale_after_s')} s, "
+        lines.append(f"epoch       {role.get('publisher_epoch')}  "
+                     f"(stale after {role.get('stale_after_s')} s, "
                      f"last pass {role.get('last_pass_s')} s)")
         api = role.get("providers_api") or {}
         if api.get("listen"):
@@ -421,7 +432,8 @@ def format_status(s: dict[str, Any]) -> str:
                          "SCRAPED", "FAILURE"], [_provider_row(p) for p in role.get("providers", [])])
         probes = [(p["name"], q) for p in role.get("providers", []) for q in p.get("probes") or []]
         lines += _table(["PROVIDER", "PROBE", "STATE", "TICKS", "FAILURES", "SERIES", "LAST OK"], [
-            [name, q["name"], q.get("state", "-"), q.get("ticks", "-"), sum((q.get("failures") or {}).values()),
+            [name, q["name"], q.get("state", "-"), q.get("ticks", "-"),
+             sum((q.get("failures") or {}).values()),
              q.get("series", "-"), _secs(q.get("last_success_age_s"))] for name, q in probes])
         lines += _metadata_table([(p["name"], p) for p in role.get("providers", [])])
         feedback = (role.get("gateway_feedback") or {}).get("conditions") or []
@@ -438,7 +450,8 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"models      {', '.join(role.get('models') or []) or '-'}")
         if role.get("shedding"):
             lines.append(f"shedding    {', '.join(role['shedding'])}")
-        lines += _table(["MODEL", "SITE", "PROVIDER", "AGE", "SIGNAL", "READY", "EXCLUDED", "RHO", "CAPACITY"], [
+        header = ["MODEL", "SITE", "PROVIDER", "AGE", "SIGNAL", "READY", "EXCLUDED", "RHO", "CAPACITY"]
+        lines += _table(header, [
             [c["model"], c["site"], c["provider"], _secs(c.get("age_s")),
              _signal(c.get("signal")),
              {True: "yes", False: "NO", None: "unknown"}[c.get("ready")], _fmt(c.get("excluded")),
@@ -504,11 +517,12 @@ def format_explain(e: dict[str, Any]) -> str:
         rows.append([
             c["site"], c["provider"], "yes" if c["local"] else "no", _signal(c["signal"]), _secs(c["age_s"]),
             _fmt(c["excluded"]), _TIER_SHOWN.get(c["tier"], "-"), f"{c['weight']:.1f} {cap['bound']}",
-            _fmt(c["in_flight"], ".1f"), _fmt(c["recent_worst_rho"] if c["signal"] == "fresh" else None, ".2f"),
+            _fmt(c["in_flight"], ".1f"),
+            _fmt(c["recent_worst_rho"] if c["signal"] == "fresh" else None, ".2f"),
             "yes" if c["full"] else "no", _fmt(c["queue_depth"], ".1f"), pending, f"{c['chance']:.1%}",
         ])
-    lines += _table(["SITE", "PROVIDER", "LOCAL", "SIGNAL", "AGE", "EXCLUDED", "TIER", "CAPACITY", "IN-FLIGHT",
-                     "RHO", "FULL", "QUEUE", "PENDING", "CHANCE"], rows)
+    lines += _table(["SITE", "PROVIDER", "LOCAL", "SIGNAL", "AGE", "EXCLUDED", "TIER", "CAPACITY",
+                     "IN-FLIGHT", "RHO", "FULL", "QUEUE", "PENDING", "CHANCE"], rows)
     if e["candidates"]:
         lines.append("")
     lines += [f"{c['site']}/{c['provider']}: {c['reason']}" for c in e["candidates"]]

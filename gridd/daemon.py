@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -28,7 +29,8 @@ from gridd.link.periodic import run_periodic
 from gridd.metrics_app import make_metrics_app
 from gridd.notify import Notifier
 from gridd.preflight import check_listen
-from gridd.roles import RoleService
+from gridd.reload_plan import plan_reload
+from gridd.roles import AttachesReload, ClearsGatewayEvidence, ExplainsRouting, RoleService
 
 log = logging.getLogger("gridd.daemon")
 
@@ -59,14 +61,12 @@ class Daemon:
         env: dict[str, str] | None = None,
         role: RoleService | None = None,
     ) -> None:
-        import os
-
         self.loaded = loaded
         self.notifier = notifier or Notifier(env)
         self.registry = registry or CollectorRegistry()
         self.env = dict(os.environ) if env is None else env
         self.role = role or build_role(loaded, self.registry)
-        if hasattr(self.role, "attach_reload"):
+        if isinstance(self.role, AttachesReload):
             # The operator's providers API persists through the same staged reload as SIGHUP.
             self.role.attach_reload(self.reload)
         self.started_wall = time.time()
@@ -84,7 +84,8 @@ class Daemon:
         )
         for result in ("ok", "error"):
             self._reloads.labels(result)
-        info = Gauge("gridd_info", "gridd build and role.", ["version", "role", "site"], registry=self.registry)
+        info = Gauge("gridd_info", "gridd build and role.", ["version", "role", "site"],
+                     registry=self.registry)
         info.labels(__version__, loaded.config.role, loaded.config.site).set(1)
         Gauge("gridd_start_time_seconds", "Wall-clock start time of the process.",
               registry=self.registry).set(self.started_wall)
@@ -185,19 +186,11 @@ class Daemon:
         async with self._reload_lock:
             self.notifier.reloading()
             try:
-                new = await trio.to_thread.run_sync(functools.partial(load_config, self.loaded.path, env=self.env))
-                old = self.loaded.config
-                if new.config.role != old.role or new.config.site != old.site:
-                    raise GriddError(
-                        f"{self.loaded.path}: role/site changed ({old.role}/{old.site} -> "
-                        f"{new.config.role}/{new.config.site}); restart gridd to apply", reason="config"
-                    )
-                if new.config.listen.metrics != old.listen.metrics:
-                    raise GriddError(f"{self.loaded.path}: listen.metrics changed; restart gridd to apply",
-                                     reason="config")
-                if new.config.control_socket != old.control_socket:
-                    raise GriddError(f"{self.loaded.path}: control_socket changed; restart gridd to apply",
-                                     reason="config")
+                new = await trio.to_thread.run_sync(
+                    functools.partial(load_config, self.loaded.path, env=self.env))
+                # What the daemon itself holds (gridd.reload_plan); the role checks its own.
+                plan = plan_reload(self.loaded.config, new.config)
+                plan.refuse_restart_changes("daemon", config_file=str(self.loaded.path))
                 staged = await self.role.stage(new)
                 self.role.commit(staged)
                 self.loaded = new
@@ -226,26 +219,25 @@ class Daemon:
             outcome = await self.reload(source="gridctl")
             return {"ok": outcome["result"] == "ok", "reload": outcome}
         if cmd == "clear-feedback":
-            clear = getattr(self.role, "clear_gateway_evidence", None)
-            if clear is None:
+            if not isinstance(self.role, ClearsGatewayEvidence):
                 return {"ok": False, "error": "clear-feedback is an operator command"}
             replica = request.get("replica")
             if replica is not None and not isinstance(replica, str):
                 return {"ok": False, "error": "replica must be a string"}
             try:
-                cleared = await clear(replica)
+                cleared = await self.role.clear_gateway_evidence(replica)
             except GriddError as exc:
                 return {"ok": False, "error": str(exc)}
             return {"ok": True, "cleared": cleared}
         if cmd == "explain":
-            explain = getattr(self.role, "explain", None)
-            if explain is None:
+            if not isinstance(self.role, ExplainsRouting):
                 return {"ok": False, "error": "explain is a gateway command (this gridd runs as "
-                                              f"{self.loaded.config.role}); run it against a gateway's socket"}
+                                              f"{self.loaded.config.role}); "
+                                              "run it against a gateway's socket"}
             model = request.get("model")
             if not isinstance(model, str) or not model:
                 return {"ok": False, "error": "explain needs a model name"}
-            return {"ok": True, "explain": explain(model)}
+            return {"ok": True, "explain": self.role.explain(model)}
         return {"ok": False, "error": f"unknown command {cmd!r} (status, reload, clear-feedback, explain)"}
 
     def status(self) -> dict[str, Any]:
@@ -263,7 +255,7 @@ class Daemon:
             "role": cfg.role,
             "site": cfg.site,
             "version": __version__,
-            "pid": __import__("os").getpid(),
+            "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
             "state": state,
             "config_file": str(self.loaded.path),
@@ -288,5 +280,7 @@ def running_task_names() -> list[str]:
                 if depth < 6:
                     walk(child, depth + 1)
 
-    walk(trio.lowlevel.current_root_task(), 0)
+    root = trio.lowlevel.current_root_task()
+    if root is not None:  # None only outside trio.run
+        walk(root, 0)
     return sorted(set(names))

@@ -25,13 +25,16 @@ import httpx
 MODEL = "demo-model"
 
 
-def _write_configs(ws: pathlib.Path, base: int) -> dict[str, pathlib.Path]:
-    ports = {
+def _demo_ports(base: int) -> dict[str, int]:
+    return {
         "gw-a": base, "gw-b": base + 1,
         "sig-a": base + 443, "sig-b": base + 444,
         "met-op-a": base + 100, "met-op-b": base + 101, "met-gw-a": base + 102, "met-gw-b": base + 103,
         "sim-a": base + 200, "sim-b": base + 201,
     }
+
+
+def _write_configs(ws: pathlib.Path, ports: dict[str, int]) -> dict[str, pathlib.Path]:
     configs = {}
     for site, other in (("a", "b"), ("b", "a")):
         configs[f"op-{site}"] = ws / f"operator-{site}.yaml"
@@ -70,7 +73,6 @@ state_dir: state/gateway-{site}
 operator: {{url: "wss://127.0.0.1:{ports[f"sig-{site}"]}/signals"}}
 availability: {{shedding: {{enabled: true}}}}
 """)
-    configs["ports"] = ports  # type: ignore[assignment]
     return configs
 
 
@@ -102,7 +104,8 @@ def _burst(gateway: str, n: int) -> collections.Counter:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gridd demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workspace", help="where configs, certificates, state and logs go (default: a temp dir)")
+    parser.add_argument("--workspace",
+                        help="where configs, certificates, state and logs go (default: a temp dir)")
     parser.add_argument("--base-port", type=int, default=18000, help="gateways listen on BASE and BASE+1")
     parser.add_argument("--requests", type=int, default=20, help="requests in the demo burst")
     parser.add_argument("--duration", type=float, default=None,
@@ -120,8 +123,8 @@ def main(argv: list[str]) -> int:
             for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
                 if certs_main(["issue", "--site", site, *role, str(ws / "certs")]) != 0:
                     return 1
-    configs = _write_configs(ws, args.base_port)
-    ports = configs.pop("ports")  # type: ignore[arg-type]
+    ports = _demo_ports(args.base_port)
+    configs = _write_configs(ws, ports)
     procs: list[subprocess.Popen] = []
     try:
         # Site a's backend is twice the size of site b's.
@@ -138,7 +141,8 @@ def main(argv: list[str]) -> int:
         gw = f"http://127.0.0.1:{ports['gw-a']}"
         print(f"gridd demo: workspace {ws} (configs, certs, logs/)")
         print(f"  gateway a: {gw}/v1   gateway b: http://127.0.0.1:{ports['gw-b']}/v1")
-        print(f"  operator metrics: http://127.0.0.1:{ports['met-op-a']}/metrics (both sites' grid_provider_*)")
+        print(f"  operator metrics: http://127.0.0.1:{ports['met-op-a']}/metrics "
+              "(both sites' grid_provider_*)")
         print(f"  gridctl --socket {ws}/run/operator-a.sock status")
         print(f"  curl {gw}/v1/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")

@@ -10,7 +10,8 @@ message names the config path and says how to fix it.
 
 from __future__ import annotations
 
-from gridd.config import Config, LoadedConfig
+from gridd.config import LoadedConfig
+from gridd.config_schema import Config
 from gridd.errors import ConfigError
 from gridd.gateway.service import check_gateway_config, load_gateway_tls
 from gridd.httpserver import parse_bind

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gridd.config import ProviderConfig
+from gridd.config_schema import ProviderConfig
 from gridd.errors import StateError
 
 EPOCH_FILE = "publisher_epoch"
@@ -140,11 +140,11 @@ class StateDir:
         except OSError as exc:
             raise StateError(f"{p}: cannot read the API token file: {exc.strerror or exc}") from None
         if mode & 0o077:
-            raise StateError(f"{p}: the API token file has mode {mode:04o}; make it 0600 (chmod 600) or delete it "
-                             "to have a new one made")
+            raise StateError(f"{p}: the API token file has mode {mode:04o}; make it 0600 (chmod 600) "
+                             "or delete it to have a new one made")
         if len(token) < 16:
-            raise StateError(f"{p}: the API token file holds no usable token (under 16 characters); delete it to "
-                             "have a new one made")
+            raise StateError(f"{p}: the API token file holds no usable token (under 16 characters); "
+                             "delete it to have a new one made")
         return token
 
     # -- provider uid and generation -------------------------------------------------------
@@ -198,4 +198,5 @@ def state_summary(state: StateDir) -> dict[str, Any]:
     return {"path": str(state.path), "epoch_high_water": state.read_epoch_high_water()}
 
 
-__all__ = ["EpochClaim", "StateDir", "ProviderRevision", "plan_revisions", "provider_spec_digest", "write_durably"]
+__all__ = ["EpochClaim", "StateDir", "ProviderRevision", "plan_revisions", "provider_spec_digest",
+           "write_durably"]

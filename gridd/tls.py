@@ -139,6 +139,7 @@ def parse_identity_uri(uri: str) -> PeerIdentity:
     trust_domain = parts[0]
     if not is_valid_trust_domain(trust_domain):
         raise IdentityError(f"invalid trust domain in {uri!r}")
+    role: Role
     match parts[1:]:
         case ["site", site, "operator"]:
             role, replica = "operator", None
@@ -363,6 +364,19 @@ class TLSMaterial(msgspec.Struct, frozen=True):
     cert_file: str
     key_file: str
     ca_file: str
+    files_sha256: str
+    """``tls_files_digest`` of the three files as checked: a reload whose digest differs rotated
+    the material (a new certificate, key or CA bundle), and both roles restart their links."""
+
+
+def tls_files_digest(cert_pem: bytes, key_pem: bytes, ca_pem: bytes) -> str:
+    """Certificate, key and CA bundle together, in that order: SHA-256 over each file's own
+    SHA-256, so no shift of bytes between two files can leave the digest unchanged. A change
+    to any of them (a CA rotation too) is a new identity for this daemon's connections."""
+    digest = hashlib.sha256()
+    for data in (cert_pem, key_pem, ca_pem):
+        digest.update(hashlib.sha256(data).digest())
+    return digest.hexdigest()
 
 
 def _read(path: str, what: str) -> bytes:
@@ -561,4 +575,5 @@ def check_tls_material(
         cert_file=cert_file,
         key_file=key_file,
         ca_file=ca_file,
+        files_sha256=tls_files_digest(cert_pem, key_pem, ca_pem),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -18,7 +19,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gridd import certs
-from gridd.tls import PeerIdentity, TLSMaterial, TLSMaterialError, check_tls_material, declared_trust_domain
+from gridd.tls import (
+    PeerIdentity,
+    TLSMaterial,
+    TLSMaterialError,
+    check_tls_material,
+    declared_trust_domain,
+    tls_files_digest,
+)
 
 TD = "grid.local"
 
@@ -493,3 +501,21 @@ def test_reissue_replaces_the_pair(grid: Path, capsys: pytest.CaptureFixture[str
     assert after.fingerprint_sha256 != before
     assert mode(grid / "a-operator-key.pem") == 0o600
     assert not [p for p in grid.iterdir() if p.name.startswith(".")]
+
+
+def test_files_digest_covers_exactly_the_checked_files(
+    grid: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The one TLS file digest (both roles restart their links when it changes): SHA-256 over
+    the certificate's, the key's and the CA bundle's own SHA-256, in that order."""
+    first = material(grid, "a-operator")
+    files = [grid / "a-operator.pem", grid / "a-operator-key.pem", grid / "ca.pem"]
+    inner = b"".join(hashlib.sha256(f.read_bytes()).digest() for f in files)
+    assert first.files_sha256 == hashlib.sha256(inner).hexdigest()
+    assert first.files_sha256 == tls_files_digest(*(f.read_bytes() for f in files))
+    assert material(grid, "a-operator").files_sha256 == first.files_sha256  # same files, same digest
+    # a re-issued certificate (new key too) is a rotation
+    assert run(capsys, "issue", "--site", "a", "--role", "operator", str(grid))[0] == 0
+    assert material(grid, "a-operator").files_sha256 != first.files_sha256
+    # bytes moved from one file to the next still change it
+    assert tls_files_digest(b"ab", b"c", b"") != tls_files_digest(b"a", b"bc", b"")

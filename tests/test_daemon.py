@@ -18,7 +18,10 @@ from gridd import control
 from gridd.config import load_config
 from gridd.daemon import Daemon
 from gridd.errors import ControlError, GriddError
+from gridd.gateway.service import GatewayService
 from gridd.notify import Notifier
+from gridd.operator.service import OperatorService
+from gridd.roles import AttachesReload, ClearsGatewayEvidence, ExplainsRouting
 
 OPERATOR = """
 role: operator
@@ -85,8 +88,56 @@ def workspace(tmp_path):
     return tmp_path
 
 
-async def _request(path, cmd):
-    return await trio.to_thread.run_sync(lambda: control.request(path, cmd))
+async def _request(path, cmd, **args):
+    return await trio.to_thread.run_sync(lambda: control.request(path, cmd, **args))
+
+
+class AbleRole(FakeRole):
+    """A role with every optional ability the daemon knows (gridd.roles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reload = None
+        self.cleared: list[str | None] = []
+
+    def attach_reload(self, reload):
+        self.reload = reload
+
+    async def clear_gateway_evidence(self, replica):
+        self.cleared.append(replica)
+        return ["g1"] if replica is None else [replica]
+
+    def explain(self, model):
+        return {"model": model}
+
+
+def test_each_role_declares_the_abilities_the_daemon_uses():
+    assert issubclass(OperatorService, AttachesReload) and issubclass(OperatorService, ClearsGatewayEvidence)
+    assert not issubclass(OperatorService, ExplainsRouting)
+    assert issubclass(GatewayService, ExplainsRouting)
+    assert not issubclass(GatewayService, AttachesReload | ClearsGatewayEvidence)
+
+
+@pytest.mark.parametrize("able", [False, True])
+async def test_control_commands_reach_only_the_abilities_a_role_declares(workspace, able):
+    loaded = load_config(workspace / "gridd.yaml", env={})
+    role = AbleRole() if able else FakeRole()
+    daemon = Daemon(loaded, env={}, role=role)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        clear = await _request(daemon.control_path, "clear-feedback", replica="g2")
+        bad_replica = await _request(daemon.control_path, "clear-feedback", replica=7)
+        explain = await _request(daemon.control_path, "explain", model="m")
+        daemon.request_stop()
+    if not able:
+        assert clear == bad_replica == {"ok": False, "error": "clear-feedback is an operator command"}
+        assert explain == {"ok": False, "error": "explain is a gateway command (this gridd runs as "
+                                                 "operator); run it against a gateway's socket"}
+        return
+    assert role.reload == daemon.reload  # attached: the providers API reloads like SIGHUP
+    assert clear == {"ok": True, "cleared": ["g2"]} and role.cleared == ["g2"]
+    assert bad_replica == {"ok": False, "error": "replica must be a string"}
+    assert explain == {"ok": True, "explain": {"model": "m"}}
 
 
 async def test_ready_only_after_servers_then_reload_and_drain(workspace, mock_clock):
@@ -243,8 +294,9 @@ def _gridd(*args, env=None, **kw):
 
 
 def _gridctl(*args, timeout=30):
-    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                           *args], capture_output=True, text=True, timeout=timeout)
+    code = "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.realproc

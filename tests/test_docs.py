@@ -16,7 +16,7 @@ import msgspec.inspect as mi
 import pytest
 from docs_tables import table_rows
 
-from gridd.config import Config
+from gridd.config_schema import Config
 from gridd.core.admission import DROP_REASONS
 from gridd.core.explain import CAPACITY_BOUNDS, OUTCOMES, TIERS
 from gridd.core.feedback import FAILURE_REASONS

@@ -32,7 +32,8 @@ from gridd.core.readings import Revision
 from gridd.errors import StateError
 from gridd.gateway.service import GatewayService
 from gridd.link.session import ChannelError
-from gridd.operator.service import FEEDBACK_FILE, FEEDBACK_NOT_STORED, OperatorService
+from gridd.operator.gateway_feedback import FEEDBACK_FILE, FEEDBACK_NOT_STORED
+from gridd.operator.service import OperatorService
 from gridd.sim.app import SimApp
 from gridd.sim.model import knobs_from
 from gridd.state import write_durably

@@ -20,7 +20,8 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 
 from gridd import certs
-from gridd.config import LimitsConfig, PeerConfig, TimingConfig, load_config
+from gridd.config import load_config
+from gridd.config_schema import LimitsConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision

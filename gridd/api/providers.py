@@ -32,7 +32,8 @@ import msgspec
 import trio
 import yaml
 
-from gridd.config import Config, LoadedConfig, parse_config, placeholder_names
+from gridd.config import LoadedConfig, parse_config, placeholder_names
+from gridd.config_schema import Config
 from gridd.errors import ConfigError, StateError
 from gridd.httpserver import ClientDisconnected, Receive, Scope, Send, parse_bind
 from gridd.metrics_app import send_simple

@@ -35,26 +35,22 @@ from __future__ import annotations
 import functools
 import math
 import re
+
+# The parser behind re.compile: the hazard check walks the parsed pattern. No public module
+# exposes it (sre_parse, its old name, warns as deprecated since 3.11) and typeshed has no
+# stubs for these names, so mypy sees them as Any.
+import re._constants as _sre_constants  # type: ignore[import-not-found]  # private, no stubs (above)
+import re._parser as _sre_parser  # type: ignore[import-not-found]  # private, no stubs (above)
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import regex
 
-if TYPE_CHECKING:
-    from gridd.config import ExtractRule
-
-try:  # the parser behind re.compile; its name changed in 3.11
-    import re._constants as _sre_constants
-    import re._parser as _sre_parser
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_constants as _sre_constants  # type: ignore[no-redef]
-    import sre_parse as _sre_parser  # type: ignore[no-redef]
-
-__all__ = ["METHODS", "Extractor", "Observation", "ProbeSeries", "SlidingAggregate", "extract",
-           "parse_number", "regex_hazard"]
+__all__ = ["METHODS", "ExtractRuleFields", "Extractor", "Observation", "ProbeSeries", "SlidingAggregate",
+           "extract", "parse_number", "regex_hazard"]
 
 METHODS = ("latest", "mean", "median", "p50", "p90", "p95", "p99", "ewma", "min", "max", "stdev")
 _PERCENTILES = {"median": 0.5, "p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
@@ -165,6 +161,18 @@ def _json_leaf(tree: Any, segments: Sequence[str]) -> float | None:
     return value if math.isfinite(value) else None
 
 
+class ExtractRuleFields(Protocol):
+    """What extraction reads of one extract rule: exactly one of ``regex`` and ``json`` is set.
+    The config's ``ExtractRule`` has this shape; the core takes the plain values and never
+    imports the config (the config validates by calling the core, not the other way round)."""
+
+    @property
+    def regex(self) -> str | None: ...
+
+    @property
+    def json(self) -> str | None: ...
+
+
 class Extractor:
     """One probe's extract rules, compiled once (per probe start, i.e. per config).
 
@@ -173,7 +181,7 @@ class Extractor:
 
     __slots__ = ("_steps", "refused")
 
-    def __init__(self, rules: Sequence[ExtractRule]) -> None:
+    def __init__(self, rules: Sequence[ExtractRuleFields]) -> None:
         self._steps: list[tuple[regex.Pattern[str] | None, tuple[str, ...]]] = []
         self.refused: list[tuple[int, str]] = []
         for index, rule in enumerate(rules):
@@ -228,11 +236,11 @@ class Extractor:
 
 
 @functools.lru_cache(maxsize=256)
-def _extractor_for(rules: tuple[ExtractRule, ...]) -> Extractor:
+def _extractor_for(rules: tuple[ExtractRuleFields, ...]) -> Extractor:
     return Extractor(rules)
 
 
-def extract(body: bytes | str, rules: Sequence[ExtractRule]) -> dict[str, float]:
+def extract(body: bytes | str, rules: Sequence[ExtractRuleFields]) -> dict[str, float]:
     """``{name: value}`` from one body (module docstring). Rules compile once per rule set."""
     return _extractor_for(tuple(rules)).extract(body)
 

@@ -9,7 +9,6 @@ WAN connections are proportional to the operators, not to the gateways.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import secrets
@@ -25,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gridd.clock import wall_clock
-from gridd.config import Config, LoadedConfig, http_limits
+from gridd.config import LoadedConfig, http_limits
+from gridd.config_schema import Config
 from gridd.core.cursors import held_cursors, unchanged_batches
 from gridd.core.decisions import Decision
 from gridd.core.explain import explain_model
@@ -33,7 +33,7 @@ from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
 from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
-from gridd.errors import ConfigError, GriddError
+from gridd.errors import ConfigError
 from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
 from gridd.httpserver import serve_asgi
@@ -41,6 +41,7 @@ from gridd.link.dial import ExpectedPeer, open_channel_dialer, parse_channel_url
 from gridd.link.poller import LinkLines, PollAnswer, Poller, PollLink
 from gridd.link.session import ChannelError
 from gridd.link.supervisor import TaskSupervisor
+from gridd.reload_plan import plan_reload
 from gridd.tls import TLSMaterial, check_tls_material
 from gridd.wire import PROTOCOL_VERSION, FeedbackAck, Poll
 
@@ -53,19 +54,6 @@ OPERATOR: Final = "operator"
 class StagedGateway(msgspec.Struct, frozen=True):
     loaded: LoadedConfig
     tls: TLSMaterial | None
-    tls_digest: str = ""
-
-
-def tls_files_digest(loaded: LoadedConfig) -> str:
-    """Certificate, key and CA bundle together: a change to any of them (a CA rotation
-    too) is a new identity for this gateway's connections."""
-    cfg = loaded.config
-    if cfg.tls is None:
-        return ""
-    digest = hashlib.sha256()
-    for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca):
-        digest.update(loaded.resolve(path).read_bytes())
-    return digest.hexdigest()
 
 
 def check_gateway_config(cfg: Config) -> None:
@@ -231,7 +219,6 @@ class GatewayService:
         self.store = GatewayStore(site=loaded.config.site, knobs=store_knobs(loaded.config))
         self.router = StoreRouter(self.store, self.rng, lambda: self._serving)
         self.tls: TLSMaterial | None = None
-        self._tls_digest = ""
         self._ingress: SwappableTransport | None = None
         self.front_urls: list[str] = []
         # Polls of the operator by result, across poller restarts (grid_gateway_polls_total).
@@ -277,7 +264,6 @@ class GatewayService:
         assert self.tls is not None  # check_gateway_config refused a config without tls
         # Forwarding transports: this site's providers, and other sites' ingress (verified
         # against the grid CA, presenting this gateway's certificate, when it is https).
-        self._tls_digest = await trio.to_thread.run_sync(tls_files_digest, self.loaded)
         transport = self._transport or make_upstream_transport()
         ingress = self._ingress = SwappableTransport(
             self._ingress_transport or make_upstream_transport(verify=self.tls.client_context))
@@ -400,23 +386,20 @@ class GatewayService:
         self._feedback_failing = outcome.result if outcome.failed else None
 
     async def stage(self, new: LoadedConfig) -> StagedGateway:
-        if new.config.listen.http != self.config.listen.http:
-            raise GriddError("listen.http: changed; restart gridd to apply", reason="config")
-        if new.config.listen.http_reuse_port != self.config.listen.http_reuse_port:
-            raise GriddError("listen.http_reuse_port: changed; restart gridd to apply", reason="config")
         check_gateway_config(new.config)
-        if http_limits(new.config) != http_limits(self.config):
-            raise GriddError("limits.http_*: changed; restart gridd to apply", reason="config")
+        plan_reload(self.config, new.config).refuse_restart_changes("gateway")
         tls = await trio.to_thread.run_sync(load_gateway_tls, new, self.wall())
-        digest = await trio.to_thread.run_sync(tls_files_digest, new)
-        return StagedGateway(new, tls, digest)
+        return StagedGateway(new, tls)
 
     def commit(self, staged: StagedGateway) -> None:
         old = self.config
         self.loaded = staged.loaded
         self.store.reconfigure(store_knobs(self.config))
-        restart = staged.tls is not None and staged.tls_digest != self._tls_digest
-        self.tls, self._tls_digest = staged.tls, staged.tls_digest
+        # A rotation (new certificate, key or CA bundle: gridd.tls.tls_files_digest) restarts
+        # the poller and swaps the ingress transport.
+        restart = staged.tls is not None and (self.tls is None
+                                              or staged.tls.files_sha256 != self.tls.files_sha256)
+        self.tls = staged.tls
         if restart and self._ingress is not None and staged.tls is not None:
             # Other sites' ingress: new connections present the rotated certificate.
             self._ingress.swap(make_upstream_transport(verify=staged.tls.client_context))

@@ -4,18 +4,18 @@ its per-connection limits, the config rules it needs, and the operator's TLS mat
 
 from __future__ import annotations
 
-import hashlib
 from typing import Final
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from gridd.config import Config, LoadedConfig, TimingConfig
+from gridd.config import LoadedConfig
+from gridd.config_schema import Config, TimingConfig
 from gridd.errors import ConfigError
 from gridd.link.dial import parse_channel_url
 from gridd.link.serve import ChannelLimits
 from gridd.link.session import ChannelError
-from gridd.tls import TLSMaterial, TLSMaterialError, check_tls_material
+from gridd.tls import TLSMaterial, check_tls_material
 
 # grid_signals_connections_refused_total{reason}: the channel's own refusals (tls,
 # handshake, identity before any message) and the operator's (identity, forbidden,
@@ -44,7 +44,6 @@ class ChannelMetrics:
 
     def count_refused(self, reason: str) -> None:
         self.refused.labels(reason if reason in REFUSAL_REASONS else "protocol").inc()
-
 
 
 def check_channel_config(cfg: Config) -> None:
@@ -82,13 +81,4 @@ def load_operator_tls(loaded: LoadedConfig, now_wall: float) -> OperatorTLS | No
     cert, key, ca = (str(loaded.resolve(p)) for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca))
     material = check_tls_material(cert, key, ca, now=now_wall, expected_site=cfg.site,
                                   expected_role="operator", expected_trust_domain=cfg.trust_domain)
-    digest = hashlib.sha256()
-    for path in (cert, key, ca):
-        try:
-            with open(path, "rb") as f:
-                digest.update(hashlib.sha256(f.read()).digest())
-        except OSError as exc:
-            raise TLSMaterialError(f"{path}: cannot read: {exc.strerror}", reason="unreadable",
-                                   path=path) from exc
-    return OperatorTLS(material, digest.hexdigest())
-
+    return OperatorTLS(material, material.files_sha256)

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gridd.core.admission import DropReason
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict
@@ -27,7 +28,7 @@ class ProviderCollector(Collector):
         publishers: Callable[[], Iterable[ProviderPublisher]],
         now: Callable[[], float],
         last_pass_s: Callable[[], float | None],
-        ingest_drops: Callable[[], dict[str, int]] | None = None,
+        ingest_drops: Callable[[], dict[DropReason, int]] | None = None,
         *,
         own_site: str | None = None,
         signal_ttl_s: Callable[[], float] = lambda: 20.0,
@@ -58,7 +59,8 @@ class ProviderCollector(Collector):
         ttft50 = GaugeMetricFamily("grid_provider_ttft_p50_seconds",
                                    "Median time to first token over the latency window.", labels=LABELS)
         ttft90 = GaugeMetricFamily("grid_provider_ttft_p90_seconds",
-                                   "90th percentile time to first token over the latency window.", labels=LABELS)
+                                   "90th percentile time to first token over the latency window.",
+                                   labels=LABELS)
         tpot = GaugeMetricFamily("grid_provider_tpot_seconds",
                                  "Mean time per output token over the latency window.", labels=LABELS)
         errors = GaugeMetricFamily("grid_provider_error_ratio",
@@ -110,7 +112,8 @@ class ProviderCollector(Collector):
                 # Only the latest qualified batch's series per provider, stamped with that
                 # batch's publication time in milliseconds (DESIGN 5b).
                 generation.add_metric(
-                    [*labels, r.provider_uid, str(r.publisher_epoch), str(r.batch_sequence), str(r.batch_samples)],
+                    [*labels, r.provider_uid, str(r.publisher_epoch), str(r.batch_sequence),
+                     str(r.batch_samples)],
                     float(r.generation), timestamp=source.published_ms / 1000.0,
                 )
         yield from (ready, endpoints, in_flight, ttft50, ttft90, tpot, errors, generation, age)
@@ -156,7 +159,8 @@ class ProbeCollector(Collector):
     time. Probe names come from config, so the label set is bounded; a probe that is not
     running (removed, disabled, drained) has no series."""
 
-    def __init__(self, snapshot: Callable[[], Iterable[tuple[tuple[str, str], Any]]], *, own_site: str) -> None:
+    def __init__(self, snapshot: Callable[[], Iterable[tuple[tuple[str, str], Any]]], *,
+                 own_site: str) -> None:
         self.snapshot = snapshot
         self.own_site = own_site
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import trio
 
-from gridd.config import LimitsConfig, PeerConfig, TimingConfig
+from gridd.config_schema import LimitsConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.holdings import Holdings
 from gridd.core.peer_intake import INTAKE_REFUSALS, NAME_MAX, PeerIntake

@@ -29,7 +29,7 @@ from typing import Final, Literal
 import msgspec
 import trio
 
-from gridd.config import Config
+from gridd.config_schema import Config
 from gridd.core.holdings import Holdings
 from gridd.link.session import ChannelError, ChannelSession
 from gridd.operator.channel_setup import ChannelMetrics

@@ -11,7 +11,7 @@ import itertools
 import logging
 import random
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import Any
@@ -19,18 +19,20 @@ from typing import Any
 import httpx
 import msgspec
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 from gridd.api.providers import ProvidersAPI, check_api_exposure
 from gridd.clock import wall_clock
-from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for, http_limits
+from gridd.config import LoadedConfig, http_limits
+from gridd.config_schema import Config, PeerConfig, ProviderConfig
 from gridd.core.admission import AdmissionFences
-from gridd.core.feedback import GatewayEvidenceLedger, LedgerDecodeError
+from gridd.core.feedback import GatewayEvidenceLedger
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
 from gridd.core.transitions import TransitionLog
-from gridd.errors import ConfigError, StateError
+from gridd.credentials import credentials_for
+from gridd.errors import StateError
 from gridd.httpserver import serve_asgi
 from gridd.link.dial import ExpectedPeer, open_channel_dialer
 from gridd.link.poller import PollLink
@@ -43,23 +45,19 @@ from gridd.operator.channel_setup import (
     load_operator_tls,
 )
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
+from gridd.operator.gateway_feedback import GatewayFeedbackIntake
 from gridd.operator.peers import PeerSupervisor
 from gridd.operator.relay import RelayEndpoint
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
 from gridd.probes.runner import ProbeRunner
 from gridd.probes.sinks import RunIO, check_sink_paths
-from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions, write_durably
+from gridd.reload_plan import plan_reload
+from gridd.roles import StagedReload
+from gridd.state import API_TOKEN_FILE, EpochClaim, ProviderRevision, StateDir, plan_revisions
 from gridd.tls import PeerIdentity
-from gridd.wire import ACK_ACCEPTED, FeedbackAck, FeedbackReport
+from gridd.wire import FeedbackAck, FeedbackReport
 
 log = logging.getLogger("gridd.operator")
-
-# The gateway evidence ledger in the state directory (docs/feedback.md).
-FEEDBACK_FILE = "gateway_feedback.json"
-# The FeedbackAck status when the ledger could not be written durably: the gateway counts
-# it as `status` and keeps its evidence for retry.
-FEEDBACK_NOT_STORED = "not_stored"
-
 
 class StagedOperator(msgspec.Struct, frozen=True):
     loaded: LoadedConfig
@@ -138,24 +136,10 @@ class OperatorService:
         self._draining = False
         self.signals_metrics = ChannelMetrics(registry)
         self.signals_address: str | None = None
-        # Gateway rejection reports (spec): per-replica evidence, kept durably. Writes are
-        # serialized; a report is acknowledged only once what it changed is on disk.
-        self.gateway_evidence = GatewayEvidenceLedger()
-        self._evidence_lock = trio.Lock()
-        # Runs the ledger's blocking file IO off the event loop (tests on a MockClock pass
-        # one that stays on it, so virtual time does not leap while a thread runs).
+        # Runs blocking state-directory IO off the event loop (tests on a MockClock pass one
+        # that stays on it, so virtual time does not leap while a thread runs).
         self._state_io = state_io
-        self._evidence_version = 0  # bumped per change
-        self._evidence_written = 0  # the version last written durably
-        self.evidence_load_error: str | None = None
-        self.feedback_reports_accepted = 0
-        self._feedback_reports = Counter(
-            "grid_signals_feedback_reports_accepted", "Gateway feedback reports acknowledged as accepted.",
-            registry=registry)
-        # Unlabelled: report contents (replicas included) never become metric labels.
-        Gauge("grid_signals_gateway_replicas_rejecting",
-              "Gateway replicas of this site with unresolved skew-rejection evidence (GatewayAgesRejected).",
-              registry=registry).set_function(lambda: len(self.gateway_evidence.unresolved()))
+        self.feedback = GatewayFeedbackIntake(self.state.path, registry, wall=wall, state_io=state_io)
         self.endpoint = RelayEndpoint(config=lambda: self.config, holdings=self.holdings,
                                         metrics=self.signals_metrics, wall=wall, feedback=self.take_feedback)
         self.peers = PeerSupervisor(own_site=loaded.config.site, fences=self.fences, holdings=self.holdings,
@@ -175,13 +159,14 @@ class OperatorService:
         ))
         # Probes (spec 004) get their own HTTP pool and limiter, sized like the scrape pool's,
         # so they never queue inside the scrape client's pool (STYLE 8).
-        self.probes = ProbeRunner(publisher=self.publishers.get, resolve=lambda path: self.loaded.resolve(path),
+        self.probes = ProbeRunner(publisher=self.publishers.get,
+                                  resolve=lambda path: self.loaded.resolve(path),
                                   body_cap=lambda: self.config.timings.body_cap_bytes, wall=wall,
                                   concurrency=loaded.config.timings.scrape_concurrency, run_io=probe_io)
         registry.register(ProbeCollector(self.probes.snapshot, own_site=loaded.config.site))
         # The providers API (docs/providers-api.md) on listen.http; its mutations go through
         # the daemon's staged reload, attached by the daemon (attach_reload).
-        self._reload: Callable[..., Awaitable[Mapping[str, Any]]] | None = None
+        self._reload: StagedReload | None = None
         self.api_token: str | None = None
         self.api = ProvidersAPI(loaded=lambda: self.loaded, reload=self._reload_for_api,
                                 write_token=lambda: self.api_token)
@@ -193,7 +178,7 @@ class OperatorService:
     def config(self) -> Config:
         return self.loaded.config
 
-    def attach_reload(self, reload: Callable[..., Awaitable[Mapping[str, Any]]]) -> None:
+    def attach_reload(self, reload: StagedReload) -> None:
         """The daemon's staged reload (the one SIGHUP runs), for the providers API."""
         self._reload = reload
 
@@ -221,7 +206,8 @@ class OperatorService:
             self.api_token = await trio.to_thread.run_sync(self.state.api_token)
         # DESIGN 5: the publisher epoch is written durably before the first publication.
         claim = await trio.to_thread.run_sync(partial(
-            self.state.claim_publisher_epoch, self.wall(), future_bound_s=self.config.timings.future_epoch_bound_s))
+            self.state.claim_publisher_epoch, self.wall(),
+            future_bound_s=self.config.timings.future_epoch_bound_s))
         self._adopt_epoch(claim)
         self.revisions = await trio.to_thread.run_sync(self.state.sync_providers, self.config.providers)
         self._apply_providers(self.revisions)
@@ -257,68 +243,19 @@ class OperatorService:
 
     # -- gateway feedback ----------------------------------------------------------------
 
+    @property
+    def gateway_evidence(self) -> GatewayEvidenceLedger:
+        return self.feedback.ledger
+
     async def load_gateway_evidence(self) -> None:
-        """Read the ledger back before the signals channel opens (spec: recovery rules
-        "preserve unresolved replica evidence across ... operator restart"). An unreadable
-        file is logged and shown in status, and the next write replaces it."""
-        path = self.state.path / FEEDBACK_FILE
-
-        def read() -> bytes | None:
-            try:
-                return path.read_bytes()
-            except FileNotFoundError:
-                return None
-
-        try:
-            data = await self._state_io(read)
-            if data is not None:
-                self.gateway_evidence = GatewayEvidenceLedger.from_bytes(data)
-        except (OSError, LedgerDecodeError) as exc:
-            self.evidence_load_error = f"{path}: {exc}"
-            log.error("gateway feedback evidence unreadable, starting empty: %s", self.evidence_load_error)
-            return
-        unresolved = self.gateway_evidence.unresolved()
-        if unresolved:
-            log.warning("gateway replicas with unresolved skew rejections: %s", ", ".join(unresolved))
-
-    async def _store_gateway_evidence(self) -> bool:
-        """Write the ledger durably, off the event loop, if a change is not on disk yet.
-        True once every change so far is written (by this call or a concurrent one)."""
-        async with self._evidence_lock:
-            if self._evidence_written >= self._evidence_version:
-                return True
-            version, data = self._evidence_version, self.gateway_evidence.to_bytes()
-            try:
-                await self._state_io(write_durably, self.state.path / FEEDBACK_FILE, data)
-            except StateError as exc:
-                log.error("gateway feedback evidence not stored: %s", exc)
-                return False
-            self._evidence_written = version
-            return True
+        await self.feedback.load()
 
     async def take_feedback(self, identity: PeerIdentity, report: FeedbackReport) -> FeedbackAck:
-        """The signals channel's feedback intake: one report from a verified gateway of this
-        site, answered once its effect is durable."""
-        result = self.gateway_evidence.apply(identity.replica or "", report, now_wall=self.wall())
-        if result.changed:
-            self._evidence_version += 1
-        # A replayed report changes nothing but still waits for an earlier failed write.
-        if not await self._store_gateway_evidence():
-            return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence,
-                               status=FEEDBACK_NOT_STORED, detail="the evidence could not be written durably")
-        self._feedback_reports.inc()
-        self.feedback_reports_accepted += 1
-        return FeedbackAck(reporter_epoch=report.reporter_epoch, sequence=report.sequence, status=ACK_ACCEPTED)
+        return await self.feedback.take(identity, report)
 
     async def clear_gateway_evidence(self, replica: str | None) -> list[str]:
-        """An administrator resolves GatewayAgesRejected for one replica (None: all)."""
-        cleared = self.gateway_evidence.clear(replica, now_wall=self.wall())
-        if cleared:
-            self._evidence_version += 1
-            if not await self._store_gateway_evidence():
-                raise StateError("gateway feedback evidence cleared in memory but not written durably")
-            log.info("gateway skew evidence cleared by an administrator: %s", ", ".join(cleared))
-        return cleared
+        """gridctl clear-feedback (gridd.roles.ClearsGatewayEvidence)."""
+        return await self.feedback.clear(replica)
 
     def _server_context(self) -> ssl.SSLContext:
         assert self.tls is not None
@@ -341,7 +278,8 @@ class OperatorService:
         # The readiness floor (one interval + max(interval, latest measured pass)) overrides
         # staleMetricsSeconds when longer (spec: Provider Readiness). The pass still running
         # counts as soon as it has run longer than the last finished one.
-        last_pass = measured_pass_s(pool.last_pass_s, pool.pass_started_at, trio.current_time()) if pool else 0.0
+        last_pass = (measured_pass_s(pool.last_pass_s, pool.pass_started_at, trio.current_time())
+                     if pool else 0.0)
         return effective_stale_after_s(t.effective_stale_metrics_s, t.scrape_interval_s, last_pass)
 
     def _current_verdict(self, publisher: ProviderPublisher) -> Verdict:
@@ -359,7 +297,8 @@ class OperatorService:
             self._epoch_clock_resets.inc()
             log.warning("publisher epoch %d was %d s ahead of the wall clock, beyond the %g s skew bound "
                         "receivers apply: restarted the epoch from the clock at %d", claim.discarded,
-                        claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s, claim.epoch)
+                        claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s,
+                        claim.epoch)
 
     def _epoch_beyond_clock(self) -> bool:
         epoch = self.publisher_epoch
@@ -378,7 +317,8 @@ class OperatorService:
                     future_bound_s=self.config.timings.future_epoch_bound_s))
             except StateError as exc:
                 if not self._epoch_claim_failing:
-                    log.error("publisher epoch is beyond the skew bound, but a new one cannot be claimed: %s", exc)
+                    log.error("publisher epoch is beyond the skew bound, but a new one cannot be claimed: %s",
+                              exc)
                 self._epoch_claim_failing = True
                 return
             self._epoch_claim_failing = False
@@ -435,7 +375,8 @@ class OperatorService:
         scrape = "ok" if failing is None else f"failing ({failing})"
         if (line := self.transitions.observe(("scrape", name), scrape, now, baseline="ok")) is not None:
             if failing is not None:
-                log.warning("provider %s: scrape %s: %s%s", name, scrape, summary.last_failure_detail, line.suffix())
+                log.warning("provider %s: scrape %s: %s%s", name, scrape, summary.last_failure_detail,
+                            line.suffix())
             else:
                 was = f", was {line.old}" if line.old not in (None, "ok") else ""
                 log.info("provider %s: scrape recovered%s%s", name, was, line.suffix())
@@ -478,30 +419,20 @@ class OperatorService:
                     generation=rev.generation, publisher_epoch=self.publisher_epoch or 0, created_at=now,
                     next_sequence=self._sequence.__next__, pool=pool, queue_full_at=queue_full_at, kind=kind,
                     adapters=adapters, latency_window_s=t.latency_window_s,
-                    latency_min_completed=t.latency_min_completed, engine_answer_window_s=t.engine_answer_window_s,
-                    metrics_source=source is not None,
+                    latency_min_completed=t.latency_min_completed,
+                    engine_answer_window_s=t.engine_answer_window_s, metrics_source=source is not None,
                 )
             else:
                 existing.reconfigure(model=provider.model, provider_uid=rev.uid, generation=rev.generation,
                                      pool=pool, queue_full_at=queue_full_at, kind=kind, adapters=adapters,
                                      metrics_source=source is not None)
-                existing.retune(latency_window_s=t.latency_window_s, latency_min_completed=t.latency_min_completed,
+                existing.retune(latency_window_s=t.latency_window_s,
+                                latency_min_completed=t.latency_min_completed,
                                 engine_answer_window_s=t.engine_answer_window_s)
 
     async def stage(self, new: LoadedConfig) -> StagedOperator:
-        cfg, old = new.config, self.config
         check_operator_config(new)
-        if cfg.listen.http != old.listen.http:
-            raise ConfigError("listen.http: changed; restart gridd to apply")
-        if http_limits(cfg) != http_limits(old):
-            raise ConfigError("limits.http_*: changed; restart gridd to apply")
-        if cfg.timings.scrape_concurrency != old.timings.scrape_concurrency:
-            # The HTTP pool is sized to the limiter at start (it must never be the smaller).
-            raise ConfigError("timings.scrape_concurrency: changed; restart gridd to apply")
-        if cfg.listen.signals != old.listen.signals:
-            raise ConfigError("listen.signals: changed; restart gridd to apply")
-        if (cfg.tls is None) != (old.tls is None):
-            raise ConfigError("tls: added or removed; restart gridd to apply")
+        plan_reload(self.config, new.config).refuse_restart_changes("operator")
         # A bad certificate/key/CA rejects the reload; the old material keeps serving.
         tls = await trio.to_thread.run_sync(load_operator_tls, new, self.wall())
         # Staging changes nothing durable: the revisions are planned from the committed ones
@@ -594,7 +525,8 @@ class OperatorService:
         return {
             "publisher_epoch": self.publisher_epoch,
             "stale_after_s": round(stale_after, 3),
-            "last_pass_s": None if self.pool is None or self.pool.last_pass_s is None else round(self.pool.last_pass_s, 4),
+            "last_pass_s": (None if self.pool is None or self.pool.last_pass_s is None
+                            else round(self.pool.last_pass_s, 4)),
             "providers": providers,
             "held_readings": len(self.holdings),
             "signals": {
@@ -610,12 +542,5 @@ class OperatorService:
             },
             # Independent of peer diagnostics (spec): explains discarded signals, changes
             # no network phase and no routing.
-            "gateway_feedback": {
-                "conditions": self.gateway_evidence.conditions(self.wall()),
-                "replicas_rejecting": self.gateway_evidence.unresolved(),
-                "reports_accepted": self.feedback_reports_accepted,
-                "evicted_replicas": self.gateway_evidence.evicted,
-                "stored": self._evidence_written >= self._evidence_version,
-                "load_error": self.evidence_load_error,
-            },
+            "gateway_feedback": self.feedback.status(),
         }

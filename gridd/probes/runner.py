@@ -33,7 +33,7 @@ once per run of errors, and never stops the probe. A bug in a tick is logged and
 Credentials. A probe's own ``auth`` block is sent to its endpoint; without one, the provider's
 auth (bearer or header, and its custom headers) is sent only to the provider's own origin
 (scheme, host and port of ``settings.endpoint``): a probe of another host never receives the
-provider's secret (gridd.config.credentials_for; docs/security.md).
+provider's secret (gridd.credentials.credentials_for; docs/security.md).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ import httpx
 import msgspec
 import trio
 
-from gridd.config import ProbeConfig, ProviderConfig, credentials_for
+from gridd.config_schema import ProbeConfig, ProviderConfig
 from gridd.core.probes import Extractor, ExtractTimeout, ProbeSeries
 from gridd.core.publication import ProviderPublisher
+from gridd.credentials import credentials_for
 from gridd.operator.scrape import FAILURE_CLASSES, ScrapeTarget, fetch_capped
 from gridd.probes.sinks import (
     SINK_ERRORS,
@@ -80,7 +81,9 @@ class ProbeSpec(msgspec.Struct, frozen=True):
     """Resolved paths of the file sinks, in ``publish`` order."""
 
 
-def probe_specs(providers: list[ProviderConfig], resolve: Callable[[str], pathlib.Path]) -> dict[ProbeKey, ProbeSpec]:
+def probe_specs(
+    providers: list[ProviderConfig], resolve: Callable[[str], pathlib.Path]
+) -> dict[ProbeKey, ProbeSpec]:
     """The probes that should run: the enabled probes of the enabled providers."""
     wanted: dict[ProbeKey, ProbeSpec] = {}
     for provider in providers:
@@ -90,7 +93,8 @@ def probe_specs(providers: list[ProviderConfig], resolve: Callable[[str], pathli
             if not probe.enabled:
                 continue
             url = probe.endpoint or provider.settings.endpoint
-            files = tuple(str(file_sink_path(resolve, s.path)) for s in probe.publish if s.to == "file" and s.path)
+            files = tuple(str(file_sink_path(resolve, s.path))
+                          for s in probe.publish if s.to == "file" and s.path)
             wanted[(provider.name, probe.name)] = ProbeSpec(provider.name, probe, url,
                                                             credentials_for(url, probe.auth, provider), files)
     return wanted
@@ -219,7 +223,8 @@ class ProbeRunner:
                 stats.restarts += 1
             task = self.tasks[key] = ProbeTask(spec, stats, self._sinks(spec))
             for index, reason in task.extractor.refused:
-                log.warning("probe %s/%s: extract[%d] refused: %s", spec.provider, spec.probe.name, index, reason)
+                log.warning("probe %s/%s: extract[%d] refused: %s", spec.provider, spec.probe.name, index,
+                            reason)
             self._nursery.start_soon(self._run_probe, task, name=f"probe:{spec.provider}/{spec.probe.name}")
         in_use = {pathlib.Path(p) for task in self.tasks.values() for p in task.spec.files}
         for path in [p for p in self.histories if p not in in_use]:
@@ -383,7 +388,8 @@ class ProbeRunner:
                 "failures": dict(s.failures),
                 "last_failure_class": s.last_failure_class,
                 "last_failure_detail": s.last_failure_detail,
-                "last_success_age_s": None if s.last_success_at is None else round(now - s.last_success_at, 3),
+                "last_success_age_s": (None if s.last_success_at is None
+                                       else round(now - s.last_success_at, 3)),
                 "series": s.series,
                 "dropped_series": s.dropped_series,
                 "skipped_ticks": s.skipped_ticks,

@@ -186,7 +186,8 @@ class JsonlHistory:
 class FileSink:
     kind = "file"
 
-    def __init__(self, history: JsonlHistory, *, provider: str, probe: str, wall: Callable[[], float]) -> None:
+    def __init__(self, history: JsonlHistory, *, provider: str, probe: str,
+                 wall: Callable[[], float]) -> None:
         self.history = history
         self.provider = provider
         self.probe = probe
@@ -230,4 +231,5 @@ def check_sink_paths(loaded: LoadedConfig) -> None:
                                       "relative path, no '..', no symlink out of it)")
                 if target in own or target == state or state in target.parents:
                     raise ConfigError(f"providers[{i}].settings.probes[{j}].publish[{k}].path: {sink.path!r} "
-                                      "would write over gridd's own files (config, TLS, control socket, state)")
+                                      "would write over gridd's own files "
+                                      "(config, TLS, control socket, state)")

@@ -379,7 +379,8 @@ class _Answer:
         else:
             choice = {"index": 0, "text": word, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice]}
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -393,10 +394,11 @@ class _Answer:
                 texts = [" ".join(map(str, source))]
             elif isinstance(source, list):
                 texts = [t if isinstance(t, str) else str(t) for t in source]
-            else:
-                texts = [source]
+            else:  # a string: the request was refused otherwise (`input` must be a string or a list)
+                texts = [str(source)]
             return {"object": "list", "model": self.model, "usage": self.usage(), "data": [
-                {"object": "embedding", "index": i, "embedding": embedding_vector(t)} for i, t in enumerate(texts)]}
+                {"object": "embedding", "index": i, "embedding": embedding_vector(t)}
+                for i, t in enumerate(texts)]}
         text = "".join(_WORDS[i % len(_WORDS)] for i in range(self.output_tokens))
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -428,7 +430,8 @@ async def _send_response(send: Send, status: int, body: bytes, content_type: str
     await _safe_send(send, {"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _send_json(send: Send, status: int, body: bytes,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await _send_response(send, status, body, "application/json", headers)
 
 
@@ -479,7 +482,8 @@ class SimHandle:
         return self.app.set_knobs(**changes)
 
 
-async def start_sim(nursery: trio.Nursery, *, host: str = "127.0.0.1", port: int = 0, **knobs: Any) -> SimHandle:
+async def start_sim(nursery: trio.Nursery, *, host: str = "127.0.0.1", port: int = 0,
+                    **knobs: Any) -> SimHandle:
     """Serve a simulator on ``host:port`` (an ephemeral port by default) until ``nursery``
     is cancelled; returns once it accepts connections."""
     app = SimApp(m.knobs_from(knobs))

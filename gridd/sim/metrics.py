@@ -35,7 +35,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from gridd.sim.model import ModelSnapshot, SimKnobs
+from gridd.sim.counters import HistogramView, ModelSnapshot
+from gridd.sim.model import SimKnobs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BODY_CAP_BYTES = 1 << 20
@@ -132,6 +133,7 @@ def go_float(value: float) -> str:
     sign = "-" if value < 0 else ""
     # repr() is the shortest round-trip form, the digits Go's shortest mode picks too.
     _, digit_tuple, exponent = decimal.Decimal(repr(abs(value))).normalize().as_tuple()
+    assert isinstance(exponent, int)  # finite: NaN and infinities were answered above
     digits = "".join(map(str, digit_tuple))
     nd = len(digits)
     dp = nd + exponent  # value = 0.<digits> x 10^dp
@@ -162,13 +164,17 @@ def _labels(labels: dict[str, str], le: str | None = None) -> str:
     return "{" + ",".join(parts) + "}" if parts else ""
 
 
+SampleValue = float | HistogramView
+"""A sample's value: a number, or a whole histogram (its family's type is "histogram")."""
+
+
 class _GoFamilies:
     """Collects families, then writes them the way client_golang does."""
 
     def __init__(self) -> None:
-        self._families: dict[str, tuple[str, str, list[tuple[dict[str, str], object]]]] = {}
+        self._families: dict[str, tuple[str, str, list[tuple[dict[str, str], SampleValue]]]] = {}
 
-    def add(self, name: str, typ: str, help_text: str, labels: dict[str, str], value) -> None:
+    def add(self, name: str, typ: str, help_text: str, labels: dict[str, str], value: SampleValue) -> None:
         fam = self._families.setdefault(name, (typ, help_text, []))
         fam[2].append((labels, value))
 
@@ -178,7 +184,7 @@ class _GoFamilies:
             typ, help_text, series = self._families[name]
             out.append(f"# HELP {name} {_escape_help(help_text)}\n# TYPE {name} {typ}\n")
             for labels, value in sorted(series, key=lambda s: [s[0][k] for k in sorted(s[0])]):
-                if typ == "histogram":
+                if isinstance(value, HistogramView):
                     for bound, count in zip(value.bounds, value.cumulative, strict=False):
                         out.append(f"{name}_bucket{_labels(labels, go_float(bound))} {count}\n")
                     out.append(f"{name}_bucket{_labels(labels, '+Inf')} {value.cumulative[-1]}\n")
@@ -205,25 +211,30 @@ _HELP = {
     "sd_kv": "The standard deviation kv cache utilization for an inference server pool.",
     "sd_queue": "The standard deviation number of requests pending in the model server queue.",
     "sd_running": "The standard deviation number of running requests across model servers in the pool.",
-    "per_endpoint": "The total number of requests pending in the model server queue for each underlying endpoint.",
+    "per_endpoint": "The total number of requests pending in the model server queue for each underlying "
+                    "endpoint.",
     "per_pod": "The total number of requests pending in the model server queue for each underlying pod.",
     "request_total": "Total number of processed requests.",
-    "request_total_legacy": "Counter of inference objective requests broken out for each model and target model.",
+    "request_total_legacy": "Counter of inference objective requests broken out for each model and target "
+                            "model.",
     "error_total": "Total number of request errors.",
-    "error_total_legacy": "Counter of inference objective requests errors broken out for each model and target model.",
+    "error_total_legacy": "Counter of inference objective requests errors broken out for each model and "
+                          "target model.",
     "running": "Current number of active running requests.",
     "running_legacy": "Inference objective number of running requests in each model.",
     "ttft": "Time to first token in seconds, measured from request received to first response byte. "
             "For non-streaming requests, this equals total request duration.",
     "duration": "End-to-end request latency distribution in seconds.",
-    "ntpot": "Normalized time per output token in seconds (end-to-end latency divided by output token count).",
+    "ntpot": "Normalized time per output token in seconds (end-to-end latency divided by output token "
+             "count).",
     "streaming_tpot": "Average time per output token in seconds for streaming requests, computed as "
                       "(e2e - TTFT) / (output_tokens - 1).",
     "streaming_itl": "Inter-token latency in seconds for streaming requests, measured as the time "
                      "between consecutive response body chunks.",
     "attempts": "Total number of scheduling attempts.",
     "info": "General information of the current build of Inference Extension.",
-    "inflight_requests": "Current number of in-flight requests per endpoint, as tracked by the in-flight load producer.",
+    "inflight_requests": "Current number of in-flight requests per endpoint, as tracked by the in-flight "
+                         "load producer.",
     "inflight_tokens": "Current number of in-flight tokens per endpoint (uncached prompt tokens, optionally "
                        "plus estimated output), as tracked by the in-flight load producer.",
     "fc_queue_size": "Current number of requests actively held in the Flow Control queue.",
@@ -265,14 +276,15 @@ def render_epp(snapshot: ModelSnapshot, knobs: SimKnobs, *, stats: PoolStats | N
     # Pool gauges (+ legacy twins).
     ready = len(eps) if fresh else 0
     f.add("llm_d_epp_ready_endpoints", "gauge", _ALPHA + _HELP["ready"], pool, ready)
-    f.add("inference_pool_ready_pods", "gauge", _deprecated("llm_d_epp_ready_endpoints") + _HELP["ready_pods"],
-          pool, ready)
+    f.add("inference_pool_ready_pods", "gauge",
+          _deprecated("llm_d_epp_ready_endpoints") + _HELP["ready_pods"], pool, ready)
     if stats is not None:
         for key, value, twin in (("avg_kv", stats.avg_kv, "average_kv_cache_utilization"),
                                  ("avg_queue", stats.avg_queue, "average_queue_size"),
                                  ("avg_running", stats.avg_running, "average_running_requests")):
             f.add(f"llm_d_epp_{twin}", "gauge", _ALPHA + _HELP[key], pool, value)
-            f.add(f"inference_pool_{twin}", "gauge", _deprecated(f"llm_d_epp_{twin}") + _HELP[key], pool, value)
+            f.add(f"inference_pool_{twin}", "gauge", _deprecated(f"llm_d_epp_{twin}") + _HELP[key], pool,
+                  value)
         for key, value, name in (("sd_kv", stats.sd_kv, "kv_cache_utilization"),
                                  ("sd_queue", stats.sd_queue, "queue_size"),
                                  ("sd_running", stats.sd_running, "running_requests")):
@@ -292,7 +304,8 @@ def render_epp(snapshot: ModelSnapshot, knobs: SimKnobs, *, stats: PoolStats | N
         for index, requests, tokens in inflight:
             labels = {"endpoint_name": endpoint_id(knobs.pool, index), "namespace": EPP_NAMESPACE,
                       "producer_name": INFLIGHT_PRODUCER, **FLOW_LABELS}
-            f.add("llm_d_epp_inflight_requests", "gauge", _ALPHA + _HELP["inflight_requests"], labels, requests)
+            f.add("llm_d_epp_inflight_requests", "gauge", _ALPHA + _HELP["inflight_requests"], labels,
+                  requests)
             f.add("llm_d_epp_inflight_tokens", "gauge", _ALPHA + _HELP["inflight_tokens"], labels, tokens)
 
     # Request families: present from the first sample on.
@@ -355,7 +368,8 @@ def _flow_control_families(f: _GoFamilies, snapshot: ModelSnapshot, knobs: SimKn
     f.add("llm_d_epp_flow_control_queue_size", "gauge", _ALPHA + _HELP["fc_queue_size"], queue,
           snapshot.flow_held)
     f.add("inference_extension_flow_control_queue_size", "gauge",
-          _deprecated("llm_d_epp_flow_control_queue_size") + _HELP["fc_queue_size"], queue, snapshot.flow_held)
+          _deprecated("llm_d_epp_flow_control_queue_size") + _HELP["fc_queue_size"], queue,
+          snapshot.flow_held)
     f.add("llm_d_epp_flow_control_queue_bytes", "gauge", _ALPHA + _HELP["fc_queue_bytes"], queue,
           snapshot.flow_held_bytes)
     for outcome, count in snapshot.pool.flow_outcomes:
@@ -371,7 +385,8 @@ def _flow_control_families(f: _GoFamilies, snapshot: ModelSnapshot, knobs: SimKn
     if eps:
         if fresh:
             saturation = statistics.fmean(
-                max(e.waiting / SATURATION_QUEUE_THRESHOLD, e.kv_usage / SATURATION_KV_THRESHOLD) for e in eps)
+                max(e.waiting / SATURATION_QUEUE_THRESHOLD, e.kv_usage / SATURATION_KV_THRESHOLD)
+                for e in eps)
         else:
             saturation = 1.0
         f.add("llm_d_epp_flow_control_pool_saturation", "gauge", _ALPHA + _HELP["fc_saturation"],
@@ -436,7 +451,8 @@ _VLLM_HISTOGRAMS = (
     ("time_to_first_token_seconds", "time_to_first_token_seconds",
      "Histogram of time to first token in seconds."),
     ("time_per_output_token_seconds", "inter_token_latency_seconds",
-     "Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead."),
+     "Histogram of time per output token in seconds."
+     "DEPRECATED: Use vllm:inter_token_latency_seconds instead."),
     ("inter_token_latency_seconds", "inter_token_latency_seconds",
      "Histogram of inter-token latency in seconds."),
     ("request_time_per_output_token_seconds", "request_time_per_output_token_seconds",

@@ -42,36 +42,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-# EPP bucket boundaries (docs: reference/epp-metrics.md section 5).
-EPP_TTFT_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 1.25, 1.5, 2, 3, 4, 5, 6, 8,
-                    10, 15, 20, 30, 45, 60, 120)
-EPP_DURATION_BUCKETS = EPP_TTFT_BUCKETS + (180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)
-EPP_NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
-EPP_STREAMING_TPOT_BUCKETS = (0.0005, 0.00205, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15,
-                              0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1, 2)
-EPP_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2)
-EPP_FLOW_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
-                          5, 10, 30, 60)
-# vLLM bucket boundaries (section 9).
-VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5,
-                     7.5, 10, 20, 40, 80, 160, 640, 2560)
-VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5,
-                    10, 20, 40, 80)
-VLLM_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480,
-                      960, 1920, 7680)
-
-# Per-engine (vLLM) histograms: name -> buckets.
-ENGINE_HISTOGRAMS = {
-    "time_to_first_token_seconds": VLLM_TTFT_BUCKETS,
-    "inter_token_latency_seconds": VLLM_ITL_BUCKETS,
-    "request_time_per_output_token_seconds": VLLM_ITL_BUCKETS,
-    "e2e_request_latency_seconds": VLLM_PHASE_BUCKETS,
-    "request_queue_time_seconds": VLLM_PHASE_BUCKETS,
-    "request_inference_time_seconds": VLLM_PHASE_BUCKETS,
-    "request_prefill_time_seconds": VLLM_PHASE_BUCKETS,
-    "request_decode_time_seconds": VLLM_PHASE_BUCKETS,
-}
-FINISHED_REASONS = ("stop", "length", "abort")
+from gridd.sim.counters import EndpointSnapshot, EngineTally, ModelSnapshot, PoolTally
 
 # EPP error codes this model produces (request_error_total{error_code}).
 BAD_REQUEST = "BadRequest"
@@ -131,43 +102,6 @@ def knobs_from(changes: dict[str, Any], base: SimKnobs | None = None) -> SimKnob
     return knobs
 
 
-class Histogram:
-    """A cumulative histogram with fixed upper bounds (+Inf implied)."""
-
-    __slots__ = ("bounds", "counts", "sum", "count")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        if times <= 0:
-            return
-        i = 0
-        while i < len(self.bounds) and value > self.bounds[i]:
-            i += 1
-        self.counts[i] += times
-        self.sum += value * times
-        self.count += times
-
-    def view(self) -> HistogramView:
-        cumulative, running = [], 0
-        for c in self.counts:
-            running += c
-            cumulative.append(running)
-        return HistogramView(self.bounds, tuple(cumulative), self.sum, self.count)
-
-
-class HistogramView(msgspec.Struct, frozen=True, array_like=True):
-    """bounds: upper bounds without +Inf; cumulative: one count per bound, then +Inf."""
-
-    bounds: tuple[float, ...]
-    cumulative: tuple[int, ...]
-    sum: float
-    count: int
-
 
 class Admission(msgspec.Struct, frozen=True):
     """What ``admit`` did with a request.
@@ -196,57 +130,6 @@ class RequestTiming(msgspec.Struct, frozen=True):
         return self.first_token_at + (self.output_tokens - 1) * self.tpot_s
 
 
-class EngineCounters(msgspec.Struct, frozen=True):
-    """Cumulative per-endpoint (vLLM engine) counters since the last reset."""
-
-    success: tuple[tuple[str, int], ...]
-    prompt_tokens: int
-    generation_tokens: int
-    preemptions: int
-    histograms: tuple[tuple[str, HistogramView], ...]
-
-
-class EndpointSnapshot(msgspec.Struct, frozen=True):
-    index: int
-    running: int
-    waiting: int
-    kv_usage: float
-    inflight_tokens: int
-    scheduled: int
-    retired: bool
-    engine: EngineCounters
-
-
-class PoolCounters(msgspec.Struct, frozen=True):
-    """Cumulative pool-level (EPP) counters since the last reset.
-
-    histograms keys: ttft_stream, ttft_nonstream, duration, ntpot, streaming_tpot,
-    streaming_itl; flow_queue maps a flow-control outcome to its queue-duration histogram.
-    """
-
-    request_total: int
-    errors: tuple[tuple[str, int], ...]
-    flow_outcomes: tuple[tuple[str, int], ...]
-    scheduling_failures: int
-    histograms: tuple[tuple[str, HistogramView], ...]
-    flow_queue: tuple[tuple[str, HistogramView], ...]
-
-
-class ModelSnapshot(msgspec.Struct, frozen=True):
-    """The model at one instant: what /metrics renders."""
-
-    now: float
-    max_seqs: int
-    flow_control: bool
-    endpoints: tuple[EndpointSnapshot, ...]
-    departed: tuple[int, ...]
-    flow_held: int
-    flow_held_bytes: int
-    in_flight: int
-    counters_reset_at: float
-    pool: PoolCounters
-
-
 @dataclass(slots=True)
 class _Request:
     request_id: str
@@ -264,26 +147,10 @@ class _Request:
     first_token_at: float | None = None
 
 
-def _new_engine_histograms() -> dict[str, Histogram]:
-    return {name: Histogram(bounds) for name, bounds in ENGINE_HISTOGRAMS.items()}
-
-
-@dataclass(slots=True)
-class _EngineStats:
-    success: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISHED_REASONS, 0))
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    histograms: dict[str, Histogram] = field(default_factory=_new_engine_histograms)
-
-    def view(self) -> EngineCounters:
-        return EngineCounters(
-            success=tuple(self.success.items()),
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            preemptions=self.preemptions,
-            histograms=tuple((k, h.view()) for k, h in self.histograms.items()),
-        )
+def _started(req: _Request) -> float:
+    """When a running request started (set by ``_start``, before it is running)."""
+    assert req.started_at is not None
+    return req.started_at
 
 
 @dataclass(slots=True)
@@ -293,51 +160,12 @@ class _Endpoint:
     waiting: deque[_Request] = field(default_factory=deque)
     retired: bool = False
     scheduled: int = 0
-    stats: _EngineStats = field(default_factory=_EngineStats)
+    stats: EngineTally = field(default_factory=EngineTally)
 
     @property
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
-
-def _new_pool_histograms() -> dict[str, Histogram]:
-    return {
-        "ttft_nonstream": Histogram(EPP_TTFT_BUCKETS),
-        "ttft_stream": Histogram(EPP_TTFT_BUCKETS),
-        "duration": Histogram(EPP_DURATION_BUCKETS),
-        "ntpot": Histogram(EPP_NTPOT_BUCKETS),
-        "streaming_tpot": Histogram(EPP_STREAMING_TPOT_BUCKETS),
-        "streaming_itl": Histogram(EPP_ITL_BUCKETS),
-    }
-
-
-@dataclass(slots=True)
-class _PoolStats:
-    request_total: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    flow_outcomes: dict[str, int] = field(default_factory=dict)
-    scheduling_failures: int = 0
-    histograms: dict[str, Histogram] = field(default_factory=_new_pool_histograms)
-    flow_queue: dict[str, Histogram] = field(default_factory=dict)
-
-    def flow(self, outcome: str, waited: float) -> None:
-        self.flow_outcomes[outcome] = self.flow_outcomes.get(outcome, 0) + 1
-        hist = self.flow_queue.setdefault(outcome, Histogram(EPP_FLOW_QUEUE_BUCKETS))
-        hist.observe(waited)
-
-    def error(self, code: str) -> None:
-        self.errors[code] = self.errors.get(code, 0) + 1
-
-    def view(self) -> PoolCounters:
-        return PoolCounters(
-            request_total=self.request_total,
-            errors=tuple(sorted(self.errors.items())),
-            flow_outcomes=tuple(sorted(self.flow_outcomes.items())),
-            scheduling_failures=self.scheduling_failures,
-            # Histograms with no observation are absent, like an EPP vector with no child.
-            histograms=tuple((k, h.view()) for k, h in self.histograms.items() if h.count),
-            flow_queue=tuple(sorted((k, h.view()) for k, h in self.flow_queue.items())),
-        )
 
 
 class SimModel:
@@ -349,7 +177,7 @@ class SimModel:
         self._departed: list[int] = []
         self._held: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
-        self._pool = _PoolStats()
+        self._pool = PoolTally()
         self._reset_at = now
         self._completions_seen = 0
 
@@ -527,7 +355,7 @@ class SimModel:
             due: tuple[float, int, str] | None = None
             for order, ep in enumerate(self._endpoints):
                 for req in ep.running.values():
-                    at = req.started_at + req.ttft_s + (req.output_tokens - 1) * req.tpot_s
+                    at = _started(req) + req.ttft_s + (req.output_tokens - 1) * req.tpot_s
                     if at <= now + _EPS and (due is None or (at, order) < due[:2]):
                         due = (at, order, req.request_id)
             if due is None:
@@ -536,7 +364,7 @@ class SimModel:
             done.append(due[2])
 
     def _tokens_generated(self, now: float, req: _Request) -> int:
-        first = req.started_at + req.ttft_s
+        first = _started(req) + req.ttft_s
         if now + _EPS < first:
             return 0
         if req.tpot_s <= 0:
@@ -545,7 +373,8 @@ class SimModel:
 
     def _observe_success(self, now: float, req: _Request, ep: _Endpoint, reason: str) -> None:
         n = req.output_tokens
-        engine_first = req.started_at + req.ttft_s
+        started = _started(req)
+        engine_first = started + req.ttft_s
         client_first = req.first_token_at if req.first_token_at is not None else engine_first
         e2e = now - req.arrival
         pool = self._pool.histograms
@@ -565,11 +394,12 @@ class SimModel:
         stats.generation_tokens += n
         eh = stats.histograms
         arrived = req.dispatched_at
+        assert arrived is not None  # dispatched before it started
         eh["time_to_first_token_seconds"].observe(engine_first - arrived)
         eh["e2e_request_latency_seconds"].observe(now - arrived)
-        eh["request_queue_time_seconds"].observe(req.started_at - arrived)
-        eh["request_inference_time_seconds"].observe(now - req.started_at)
-        eh["request_prefill_time_seconds"].observe(engine_first - req.started_at)
+        eh["request_queue_time_seconds"].observe(started - arrived)
+        eh["request_inference_time_seconds"].observe(now - started)
+        eh["request_prefill_time_seconds"].observe(engine_first - started)
         eh["request_decode_time_seconds"].observe(now - engine_first)
         if n > 1:
             gap = (now - engine_first) / (n - 1)
@@ -651,9 +481,9 @@ class SimModel:
     def reset_counters(self, now: float) -> None:
         """An EPP/vLLM restart as a scraper sees it: every cumulative counter and histogram
         starts again from zero. Gauges (running, waiting, KV, held) keep their live values."""
-        self._pool = _PoolStats()
+        self._pool = PoolTally()
         for ep in self._endpoints:
-            ep.stats = _EngineStats()
+            ep.stats = EngineTally()
             ep.scheduled = 0
         self._departed.clear()
         self._reset_at = now
