@@ -19,10 +19,10 @@ from docs_tables import table_rows
 from gridd.channel import CHANNEL_ERROR_REASONS
 from gridd.config import Config
 from gridd.core.admission import DROP_REASONS
+from gridd.core.candidates import EXCLUSION_REASONS, SIGNAL_STATES
 from gridd.core.explain import CAPACITY_BOUNDS, OUTCOMES, TIERS
 from gridd.core.feedback import FAILURE_REASONS
 from gridd.core.readiness import FAILURE_CLASSES
-from gridd.core.store import EXCLUSION_REASONS, SIGNAL_STATES
 from gridd.daemon import DAEMON_STATES
 from gridd.operator.signals import REFUSAL_REASONS, PeerState
 from gridd.preflight import TLS_FIXES

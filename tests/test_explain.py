@@ -12,8 +12,9 @@ from test_store import SERVING, WALL, Feed, load
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
 from gridd.core.explain import CAPACITY_BOUNDS, TIERS, explain_model
+from gridd.core.knobs import RoutingKnobs
 from gridd.core.readings import LoadSignals
-from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.store import GatewayStore
 
 
 def gateway(**knobs) -> GatewayStore:

@@ -10,10 +10,10 @@ import math
 
 import pytest
 
+from gridd.core.derivation import WANTED_SAMPLES
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow, histogram_quantile
 from gridd.core.readings import LatencyBlock
-from gridd.core.signals import WANTED_SAMPLES
 
 M = 'model_name="m",target_model_name="m"'
 LES = ("0.1", "0.2", "0.4", "+Inf")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
-from gridd.core.readings import LoadSignals, Revision, UnitLoad
-from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.knobs import RoutingKnobs
+from gridd.core.readings import LoadSignals, Revision, UnitLoad, sample_count
+from gridd.core.store import GatewayStore
 from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
 WALL = 1_800_000_000.0
@@ -35,8 +36,6 @@ class Feed:
         key = (site, provider)
         self.seq[key] = self.seq.get(key, 0) + 1
         ld = ld if ld is not None else load()
-        from gridd.core.signals import sample_count
-
         rev = Revision(f"uid-{site}", 1, epoch, self.seq[key], sample_count(ld))
         return Batch(site=site, provider=provider, model="m", published_ms=int(WALL * 1000), age_s=age_s,
                      revision=rev, complete=True, ready=ready, ready_reason="", load=ld)

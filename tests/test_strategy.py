@@ -12,8 +12,10 @@ import pytest
 from test_store import WALL, Feed
 
 from gridd.core.decisions import Forward, Unavailable, UnknownModel
+from gridd.core.knobs import RoutingKnobs
 from gridd.core.ordering import CandidateView, build_snapshot
-from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.readings import BatchOrder
+from gridd.core.store import GatewayStore
 from gridd.core.strategy import (
     CandidateRank,
     Strategy,
@@ -22,7 +24,7 @@ from gridd.core.strategy import (
     fresh_values,
     strategy_pick,
 )
-from gridd.wire import Batch, BatchOrder, LocalProvider, ServingConfig, SiteIngress
+from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
 WAITING = "performance.num_requests_waiting"
 # Spec 004's strategy.yaml.

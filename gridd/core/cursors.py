@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from gridd.core.admission import AdmissionFences
-from gridd.wire import Batch, Cursor, SourceKey, ordering
+from gridd.core.batch import Batch, Cursor, SourceKey, ordering
 
 
 class HeldCandidate(Protocol):

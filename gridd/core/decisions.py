@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gridd.wire import LocalProvider
+from gridd.core.serving import LocalProvider
 
 PIN_HEADER = "x-gridd-site"
 """A request forwarded to another site's ingress carries this header naming that site; the

@@ -7,17 +7,17 @@ reason, and what a pick would do now, with the probability of each candidate.
 Everything is read from the store's public state at one instant ``now``; nothing is
 decided twice where the store already decides it:
 
-- signal state, age and exclusion: ``GatewayStore.candidate_state`` (the one place);
+- signal state, age and exclusion: ``CandidateTable.state`` (the one place);
 - tier, capacity weight, full, ordered rho: the model's ``OrderedSnapshot``, the very
   one the request path reads;
 - pick chances: ``selection.pick_chances`` on that snapshot with the store's pick rule
-  and the same pending load ``decide()`` adds (``GatewayStore.pending_rho``), so they are
+  and the same pending load ``decide()`` adds (``Decider.pending_rho``), so they are
   the exact probabilities of the next request's pick;
 - the capacity's evidence: the learner's unit count and per-unit bounds at ``now``, laid
   out as ``capacity = max(units x min(soft side, hard), floor)``; which term is in force is
   named (a test checks the laid-out value equals ``CapacityLearner.capacity``).
 
-What a request gets follows ``GatewayStore.decide`` step by step, without drawing or
+What a request gets follows ``Decider.decide`` step by step, without drawing or
 recording a send: no routing data (503 ``no_operator_data``), unknown model (404), shedding
 (429), a pick (forward), every candidate excluded (503 ``excluded`` or ``silent``). A test
 checks it against ``decide()`` on the same store.
@@ -32,10 +32,12 @@ import math
 
 import msgspec
 
+from gridd.core.candidates import Candidate
 from gridd.core.capacity import SOFT_PROBE, backlogged, queue_depth
+from gridd.core.decider import NO_OPERATOR_DATA_RETRY_AFTER_S
 from gridd.core.ordering import CandidateView, OrderedSnapshot
 from gridd.core.selection import pick_chances
-from gridd.core.store import NO_OPERATOR_DATA_RETRY_AFTER_S, Candidate, GatewayStore
+from gridd.core.store import GatewayStore
 from gridd.core.strategy import STRATEGY_RECHECK_S, CandidateRank, explain_strategy
 
 TIERS = ("room", "not_full", "full", "stale")
@@ -73,7 +75,7 @@ class CapacityEvidence(msgspec.Struct, frozen=True):
 class CandidateExplain(msgspec.Struct, frozen=True):
     """One candidate of the model at ``now``.
 
-    signal / age_s / excluded: from ``GatewayStore.candidate_state``.
+    signal / age_s / excluded: from ``CandidateTable.state``.
     arrived_age_s: the age the batch carried when it reached this gateway (the operator's
         scrape-to-send time, plus the peer relay for another site); held_s: how long this
         gateway has held it since. age_s = arrived_age_s + held_s.
@@ -265,7 +267,7 @@ def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None,
 
 def _outcome(store: GatewayStore, model: str, snapshot: OrderedSnapshot | None, now: float,
              chances: dict[tuple[str, str], float], shedding_now: bool) -> RequestOutcome:
-    # The steps of GatewayStore.decide, in its order, without a draw.
+    # The steps of Decider.decide, in its order, without a draw.
     problem = store.routing_data_problem(now)
     if problem is not None:
         return RequestOutcome("unavailable", 503, "no_operator_data", NO_OPERATOR_DATA_RETRY_AFTER_S, problem)

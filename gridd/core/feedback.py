@@ -25,10 +25,10 @@ from typing import Final, Literal
 
 import msgspec
 
-from gridd.wire import (
+from gridd.core.batch import WIRE_INT_MAX
+from gridd.core.feedback_values import (
     ACK_ACCEPTED,
     FEEDBACK_EVIDENCE_MAX,
-    WIRE_INT_MAX,
     FeedbackAck,
     FeedbackReport,
     SkewEvidence,

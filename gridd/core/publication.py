@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import msgspec
 
-from gridd.core.admission import validate_payload
+from gridd.core.batch import Batch
+from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
+from gridd.core.payload import validate_payload
 from gridd.core.readiness import ReadinessTracker, Verdict, probe_only_verdict
-from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
-from gridd.core.signals import WANTED_SAMPLES, derive, kind_mismatch, sample_count
-from gridd.wire import Batch
+from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision, sample_count
 
 MAX_EXPOSITION_LINES = 50_000
 """A body over this many lines fails as ``parse`` before it is parsed. 1 MiB of real EPP

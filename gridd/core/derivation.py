@@ -1,4 +1,4 @@
-"""Load signals derived from one provider scrape (spec: Provider In-flight; DESIGN 5).
+"""Load derivation: one provider scrape into its load reading (spec: Provider In-flight; DESIGN 5).
 
 derive_load(expo, pool=..., queue_full_at=...) turns one parsed /metrics exposition into
 a LoadSignals. It detects the source:
@@ -30,9 +30,7 @@ __all__ = [
     "derive",
     "derive_load",
     "kind_mismatch",
-    "legacy_sample_count",
     "pool_names",
-    "sample_count",
 ]
 
 Labels = dict[str, str]
@@ -212,33 +210,6 @@ def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kin
 def _has_vllm_series(expo: Exposition) -> bool:
     """Whether the exposition carries any vLLM engine load series."""
     return any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
-
-
-def sample_count(load: LoadSignals) -> int:
-    """The batch's load-sample count (``batch_samples``): one per serving unit.
-
-    DESIGN 5: a batch "carries its sample count", and its load samples are per serving
-    unit. So the count is ``len(load.units)``; a batch that has fresh pool-level load
-    (avg_running, avg_waiting, kv_mean or in_flight) but no per-unit series counts the
-    pool as its one sample. A provider with no fresh endpoint carries neither and counts
-    0, which is what the spec's "A zero-sample revision invalidates learning" needs.
-    ready_endpoints and flow_queue are not load samples: they are stamped even when
-    nothing is fresh.
-    """
-    if load.units:
-        return len(load.units)
-    return 1 if _has_pool_sample(load) else 0
-
-
-def legacy_sample_count(load: LoadSignals) -> int:
-    """The count operators published before it was per serving unit: the units plus one
-    for the pool-level load. Receivers still accept it on a complete batch, so a fleet
-    upgraded one site at a time keeps admitting the older sites' batches."""
-    return len(load.units) + (1 if _has_pool_sample(load) else 0)
-
-
-def _has_pool_sample(load: LoadSignals) -> bool:
-    return any(v is not None for v in (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
 
 
 def _first_for_pool(expo: Exposition, families: Iterable[str], pool: str) -> float | None:

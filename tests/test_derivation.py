@@ -1,4 +1,4 @@
-"""Load derivation (gridd.core.signals) against the reference samples and synthetic cases.
+"""Load derivation (gridd.core.derivation) against the reference samples and synthetic cases.
 
 Every expected figure is worked out by hand from the sample files in the comment next to
 it (tests/data/samples/*.prom).
@@ -10,9 +10,9 @@ import math
 
 import pytest
 
+from gridd.core.derivation import LOAD_SAMPLES, WANTED_SAMPLES, derive_load, pool_names
 from gridd.core.exposition import parse_exposition
-from gridd.core.readings import LoadSignals, UnitLoad
-from gridd.core.signals import LOAD_SAMPLES, WANTED_SAMPLES, derive_load, pool_names, sample_count
+from gridd.core.readings import LoadSignals, UnitLoad, sample_count
 
 POD = "llama3-8b-decode-7d9c8f6b5-{}-rank-0"
 QWEN = "qwen3-32b-decode-5b7f9c6d8-{}-rank-0"
