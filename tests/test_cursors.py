@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgspec
 from test_store import WALL, Feed, load, store
 
+from gridd.core.batch import Cursor, SourceKey
 from gridd.core.cursors import held_cursors, unchanged_batches
 from gridd.core.holdings import Holdings
 from gridd.core.readings import BatchOrder
-from gridd.core.batch import Cursor, SourceKey
 
 
 def test_a_candidate_whose_fence_moved_past_its_batch_gets_no_cursor():

@@ -454,8 +454,8 @@ VLLM_KV_PERCENT = (b'vllm:num_requests_running{engine="0",model_name="sim-model"
 
 
 def test_one_bad_field_is_left_out_and_the_rest_published():
-    from gridd.core.payload import validate_payload
     from gridd.core.derivation import derive
+    from gridd.core.payload import validate_payload
 
     derived = derive(_parse(VLLM_KV_PERCENT))
     load = derived.load
