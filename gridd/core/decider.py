@@ -19,7 +19,7 @@ from gridd.core.knobs import RoutingKnobs
 from gridd.core.ordering import CandidateView, OrderedSnapshot, build_snapshot
 from gridd.core.pending import RecentSends
 from gridd.core.scorer import Scorer
-from gridd.core.selection import ExtraRho, Full, NoCandidates, NoneHealthy, Route, pick
+from gridd.core.selection import ExtraRho, Full, NoCandidates, NoneHealthy, Outcome, Route, pick
 from gridd.core.strategy import AllDropped, Values, fresh_values, strategy_pick
 
 __all__ = ["NO_OPERATOR_DATA_RETRY_AFTER_S", "Decider"]
@@ -66,6 +66,7 @@ class Decider:
             return Shed(shed.retry_after_s(now))
         extra_rho = self.pending_rho(now) if self.knobs.pending_weight > 0 else None
         strategy = self.knobs.strategies.for_model(model)
+        outcome: Outcome | AllDropped
         if strategy is None:
             outcome = pick(snapshot, rng, rule=self.knobs.pick_rule, extra_rho=extra_rho)
         else:

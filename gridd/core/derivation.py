@@ -201,7 +201,8 @@ def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kin
             pool = pools[0]
         if pool not in pools:
             return LoadSignals()
-        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at, checked=checked)
+        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at,
+                           checked=checked)
     if kind == "auto" and _has_vllm_series(expo):
         return _derive_vllm(expo, queue_full_at, checked)
     return LoadSignals()
@@ -303,7 +304,8 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
         for labels, raw in expo.samples.get(family, ()):
             if labels.get("name") == pool and math.isfinite(raw):
                 # A negative count leaves the endpoint listed, its waiting count absent.
-                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""), checked.count("waiting", family, raw))
+                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""),
+                                               checked.count("waiting", family, raw))
         if waiting_by_endpoint:
             break
     # The EPP exposes no per-endpoint running count or KV usage: running and kv_usage stay
@@ -360,7 +362,8 @@ def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checke
     for that engine, and the pool figure computed from it (mean, spread, in-flight) is
     absent too: a mean over the other engines would not describe the pool.
     """
-    def per_engine(families: tuple[str, ...], field: str, *, fraction: bool = False) -> dict[str, float | None]:
+    def per_engine(families: tuple[str, ...], field: str, *,
+                   fraction: bool = False) -> dict[str, float | None]:
         read = checked.fraction if fraction else checked.count
         for family in families:
             found: dict[str, float | None] = {}
@@ -389,7 +392,8 @@ def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checke
                                     (kv_values, "kv_usage", ("kv_mean", "kv_spread"))):
         if values is None:
             for figure in figures:
-                checked.invalid.setdefault(figure, f"left out with {source} (computed from every engine's value)")
+                checked.invalid.setdefault(
+                    figure, f"left out with {source} (computed from every engine's value)")
     in_flight = None
     if (running or waiting) and running_values is not None and waiting_values is not None:
         in_flight = sum(running_values) + sum(waiting_values)

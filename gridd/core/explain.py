@@ -198,7 +198,8 @@ def _capacity_reason(ev: CapacityEvidence) -> str:
         return f"capacity {ev.capacity:g}: the floor (no serving-unit count yet)"
     soft = "none" if ev.soft_per_unit is None else f"{ev.soft_per_unit:.2f}/unit"
     hard = "none" if ev.hard_per_unit is None else f"{ev.hard_per_unit:.2f}/unit"
-    in_force = {"prior": f"the prior {ev.unit_capacity:g}/unit", "soft": f"the soft side {ev.soft_side:.2f}/unit",
+    in_force = {"prior": f"the prior {ev.unit_capacity:g}/unit",
+                "soft": f"the soft side {ev.soft_side:.2f}/unit",
                 "hard": f"the limit {hard}", "floor": f"the floor {ev.floor:g}"}[ev.bound]
     return (f"capacity {ev.capacity:.1f} from {in_force} x {ev.units} units "
             f"(held with nothing queued {soft}, demonstrated limit {hard})")
@@ -231,7 +232,8 @@ def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None,
     batch, learner, key = cand.batch, cand.learner, (cand.site, cand.provider)
     load = batch.load if batch is not None else None
     pending = store.sends.since(key, now - state.age_s) if math.isfinite(state.age_s) else 0
-    pending_rho = (store.pending_rho(now)(view) if view is not None and store.knobs.pending_weight > 0 else 0.0)
+    pending_rho = (store.pending_rho(now)(view) if view is not None and store.knobs.pending_weight > 0
+                   else 0.0)
     evidence = capacity_evidence(store, cand, now)
     explained = CandidateExplain(
         site=cand.site, provider=cand.provider, local=cand.site == store.site,
@@ -312,7 +314,8 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
         else:
             # The same filter and rank decide() applies (gridd/core/strategy.py).
             ranks = {(r.site, r.provider): r for r in explain_strategy(
-                snapshot, strategy, store.probe_values(now), rule=knobs.strategies.pick_rule, extra_rho=extra_rho)}
+                snapshot, strategy, store.probe_values(now), rule=knobs.strategies.pick_rule,
+                extra_rho=extra_rho)}
             chances = {key: r.chance for key, r in ranks.items() if r.chance > 0}
             all_dropped = bool(snapshot.ordered) and not any(r.verdict == "kept" for r in ranks.values())
     shed = store.shed.get(model) if knobs.shedding else None  # consulted only when enabled
@@ -328,7 +331,8 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
                            else None,
                            run_for_s=None if since is None else round(now - since, 3))
     outcome = _outcome(store, model, snapshot, now, chances, shedding_now)
-    if all_dropped and outcome.kind in ("unavailable", "unknown_model") and outcome.cause != "no_operator_data":
+    if strategy is not None and all_dropped and outcome.kind in ("unavailable", "unknown_model") \
+            and outcome.cause != "no_operator_data":  # all_dropped only under a strategy
         outcome = RequestOutcome("unavailable", 503, "strategy", STRATEGY_RECHECK_S,
                                  f"every healthy candidate is over strategy {strategy.name!r}'s bounds")
     if outcome.kind != "forward":
@@ -338,6 +342,7 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
     return ModelExplain(
         model=model, pick_rule=knobs.pick_rule, pending_weight=knobs.pending_weight,
         signal_ttl_s=knobs.signal_ttl_s, outcome=outcome, shedding=shedding,
-        candidates=[_candidate(store, c, views.get((c.site, c.provider)), now, chances, ranks) for c in members],
+        candidates=[_candidate(store, c, views.get((c.site, c.provider)), now, chances, ranks)
+                    for c in members],
         known_models=store.models(), strategy=strategy.name if strategy is not None else None,
     )
