@@ -21,7 +21,7 @@ DEFAULT_BURST = 4
 DEFAULT_WINDOW_S = 60.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transition:
     """A line to log: ``target`` went from ``old`` (the last state logged; None at first
     sight) to ``new``; ``unlogged`` changes happened in between without a line."""
