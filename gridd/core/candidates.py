@@ -41,7 +41,7 @@ __all__ = [
 
 SILENT_AFTER_TTLS = 2.0
 """A candidate whose reading is this many TTLs old is silent: excluded (503), not routed to
-(the operator relays a silent peer's readings this long; see operator/signals.py)."""
+(the operator relays a silent peer's readings this long; see operator/peers.py)."""
 
 EXCLUSION_REASONS = ("not_ready", "zero_ready_endpoints", "unit_series_stopped", "no_route", "silent")
 """Why a candidate is out of selection (gridctl status's EXCLUDED; docs/troubleshooting.md)."""
