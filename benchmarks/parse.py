@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from gridd.core.derivation import WANTED_SAMPLES  # noqa: E402
 from gridd.core.exposition import parse_exposition  # noqa: E402
-from gridd.core.signals import WANTED_SAMPLES  # noqa: E402
 
 ROUNDS = 7  # prometheus_client runs once per round
 GRIDD_CALLS_PER_ROUND = 5

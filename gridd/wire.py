@@ -5,14 +5,21 @@ operator; one WebSocket over mutual TLS) is one MessagePack-encoded ``Message``:
 tagged union of frozen msgspec Structs whose tag travels in the ``kind`` field.
 The encoder and the decoder are built once here and reused for every frame.
 
+The messages carry the core's values (batches, cursors and keys from gridd.core.batch,
+readings from gridd.core.readings, serving routes from gridd.core.serving, the rejection
+report and its acknowledgment from gridd.core.feedback_values); this module defines the
+envelopes around them and the codec, and re-exports the values it carries so one import
+names the whole wire vocabulary. The core never imports this module.
+
 Evolution rules (docs/wire.md has the full text):
 
 - A new field always gets a default, and a default never changes once released, so
   an older sender's frame (which lacks the field, or omits it because it was at its
   default) decodes on a newer receiver, and a newer sender's extra field is ignored by
   an older receiver (unknown fields are not forbidden on the wire).
-- ``array_like`` structs (``Cursor``, ``SourceKey``, ``SkewEvidence`` here; ``UnitLoad``
-  and ``Revision`` in gridd.core.readings) only ever grow at the end.
+- ``array_like`` structs (``Cursor`` and ``SourceKey`` in gridd.core.batch, ``SkewEvidence``
+  in gridd.core.feedback_values, ``UnitLoad``, ``Revision`` and ``BatchOrder`` in
+  gridd.core.readings) only ever grow at the end.
 - A tag is never reused or renamed; an unknown tag is a decode error, counted.
 - ``protocol`` carries the major version. It is required (never defaulted, so never
   omitted), and a peer whose major version differs is refused with ``Error("protocol")``
@@ -20,17 +27,25 @@ Evolution rules (docs/wire.md has the full text):
 
 Only wire shape is checked at decode. Payload rules (non-negative counts, fractions in
 0..1, complete batches carrying all their samples) are checked by admission
-(gridd.core.admission.validate_payload), after decode, so a batch whose payload fails
+(gridd.core.payload.validate_payload), after decode, so a batch whose payload fails
 still yields its ordering metadata and advances its fence (DESIGN 5b).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Final
 
 import msgspec
 
-from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
+from gridd.core.batch import WIRE_INT_MAX, Batch, Cursor, SourceKey, ordering, with_added_age
+from gridd.core.feedback_values import (
+    ACK_ACCEPTED,
+    FEEDBACK_EVIDENCE_MAX,
+    FeedbackAck,
+    FeedbackReport,
+    SkewEvidence,
+)
+from gridd.core.serving import LocalProvider, SiteIngress
 from gridd.errors import GriddError
 
 __all__ = [
@@ -71,22 +86,8 @@ PROTOCOL_VERSION: Final = 1
 # max_message_size defaults to 1 MiB).
 MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
 
-# The largest counter or sequence on the wire (int64, the widest msgspec bound checks).
-# Counters and sequences latch here instead of wrapping (spec: "The highest sequence
-# and counter values latch").
-WIRE_INT_MAX: Final = 2**63 - 1
-
-# A feedback report carries at most this many pending skew rejections.
-FEEDBACK_EVIDENCE_MAX: Final = 64
-
-# The one FeedbackAck.status that means the report was taken; anything else is counted
-# as grid_signals_feedback_failures_total{reason="status"} (DESIGN 5b).
-ACK_ACCEPTED: Final = "accepted"
-
 # Error.reason values gridd sends. Receivers treat an unknown reason as a refusal too.
 ERROR_REASONS: Final = frozenset({"protocol", "identity", "forbidden", "decode", "unexpected"})
-
-_UInt = Annotated[int, msgspec.Meta(ge=0, le=WIRE_INT_MAX)]
 
 
 # --- errors -------------------------------------------------------------------------
@@ -112,121 +113,6 @@ class WireEncodeError(WireError):
     """An outbound message could not be encoded (a value out of range, or oversize)."""
 
     reason = "encode"
-
-
-# --- shared parts -------------------------------------------------------------------
-
-
-class SourceKey(msgspec.Struct, frozen=True, array_like=True):
-    """One provider at one site: the key of every per-provider reading."""
-
-    site: str
-    provider: str
-
-
-class Cursor(msgspec.Struct, frozen=True, array_like=True):
-    """The (publisher_epoch, batch_sequence) of the batch a poller holds for one provider."""
-
-    site: str
-    provider: str
-    publisher_epoch: int
-    batch_sequence: int
-
-
-class Batch(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One provider's publication from one scrape (DESIGN 5). Relays forward it whole.
-
-    revision: None when the publication has no revision metadata; such a batch cannot
-        be ordered and disables learning downstream, but its pressure signals are usable.
-    complete: qualified and complete (DESIGN 5b): the scrape succeeded, was not cut at
-        the body cap, and the batch carries revision metadata and all of its samples.
-    ready: the operator's readiness verdict; None = unknown (no ready-endpoint series).
-    ready_reason: the verdict's reason (the provider's Ready condition reason).
-    load / latency: None when the scrape produced none (failed, or too few requests).
-    probes: probe metadata, ``<prefix>.<name>`` -> value.
-    probe_age_s: per probes key, how much older than the batch's sample the value is (the
-        time since the probe tick that produced it; a failing probe keeps its last values,
-        which age). A receiver's value age is ``age_s + probe_age_s[key]``; a key absent here
-        (an older operator) is as old as the batch.
-    published_ms: the operator's wall clock at publication, milliseconds.
-    age_s: how old the sample is at send time, in seconds. Relative, so no receiver
-        trusts a sender's monotonic clock; each relay adds its holding time.
-    order: (publisher_epoch, batch_sequence) of a batch without revision metadata, so
-        receivers order every batch by epoch and sequence (see ordering()). None on a
-        batch with a revision (the revision carries them) and from older operators,
-        whose revision-less batches are ordered by published_ms.
-    """
-
-    site: str
-    provider: str
-    model: str
-    published_ms: int
-    age_s: float
-    revision: Revision | None = None
-    complete: bool = False
-    ready: bool | None = None
-    ready_reason: str = ""
-    load: LoadSignals | None = None
-    latency: LatencyBlock | None = None
-    probes: dict[str, float] = {}
-    order: BatchOrder | None = None
-    probe_age_s: dict[str, float] = {}
-
-
-def ordering(batch: Batch) -> tuple[int, int] | None:
-    """The (publisher_epoch, batch_sequence) a receiver orders ``batch`` by: its revision's,
-    else its order's; None for a revision-less batch from an older operator."""
-    if batch.revision is not None:
-        return batch.revision.publisher_epoch, batch.revision.batch_sequence
-    if batch.order is not None:
-        return batch.order.publisher_epoch, batch.order.batch_sequence
-    return None
-
-
-_EvidenceName = Annotated[str, msgspec.Meta(max_length=253)]
-"""Site and provider names are far shorter (config allows 63); the bound keeps a gateway's
-reports, and the operator's durable ledger built from them, small."""
-
-
-class SkewEvidence(msgspec.Struct, frozen=True, array_like=True):
-    """A batch rejected because its publisher epoch was too far ahead of the receiver."""
-
-    site: _EvidenceName
-    provider: _EvidenceName
-    publisher_epoch: int
-    batch_sequence: int
-
-
-class LocalProvider(msgspec.Struct, frozen=True, omit_defaults=True):
-    """How a gateway forwards to one of its own site's providers. Carries a secret.
-
-    No readiness verdict travels here (spec: "The serving config carries the same
-    verdict for local providers as admission: none").
-    """
-
-    provider: str
-    model: str
-    endpoint_url: str
-    auth_scheme: str = "none"
-    api_key: str | None = None
-    headers: dict[str, str] = {}
-    timeout_s: float | None = None
-
-    def __repr__(self) -> str:
-        # Keep api_key and header values out of logs and tracebacks.
-        key = None if self.api_key is None else "***REDACTED***"
-        return (
-            f"LocalProvider(provider={self.provider!r}, model={self.model!r}, "
-            f"endpoint_url={self.endpoint_url!r}, auth_scheme={self.auth_scheme!r}, "
-            f"api_key={key!r}, headers={sorted(self.headers)!r}, timeout_s={self.timeout_s!r})"
-        )
-
-
-class SiteIngress(msgspec.Struct, frozen=True):
-    """Where another site's gateways take requests routed to that site."""
-
-    site: str
-    url: str
 
 
 # --- messages -----------------------------------------------------------------------
@@ -269,34 +155,6 @@ class ServingConfig(msgspec.Struct, frozen=True, tag="serving", tag_field="kind"
 
     providers: tuple[LocalProvider, ...] = ()
     ingresses: tuple[SiteIngress, ...] = ()
-
-
-class FeedbackReport(msgspec.Struct, frozen=True, tag="report", tag_field="kind", omit_defaults=True):
-    """Gateway -> its own operator: skew rejections (spec: Gateway rejection reports).
-
-    reporter_epoch: random, drawn once per gateway process; survives reloads.
-    sequence: report sequence within reporter_epoch; latches at WIRE_INT_MAX.
-    skew_drops: cumulative grid_signals_ingest_dropped_total{reason="skew"}; latches.
-    evidence: pending skew-rejected batches, at most FEEDBACK_EVIDENCE_MAX; empty means
-        a clean observation.
-    """
-
-    reporter_epoch: _UInt
-    sequence: _UInt
-    skew_drops: _UInt
-    evidence: Annotated[tuple[SkewEvidence, ...], msgspec.Meta(max_length=FEEDBACK_EVIDENCE_MAX)] = ()
-
-
-class FeedbackAck(msgspec.Struct, frozen=True, tag="ack", tag_field="kind", omit_defaults=True):
-    """Operator -> gateway: the answer to one FeedbackReport, echoing its identity.
-
-    status: ACK_ACCEPTED, or anything else for not accepted (counted as ``status``).
-    """
-
-    reporter_epoch: _UInt
-    sequence: _UInt
-    status: str
-    detail: str = ""
 
 
 class Error(msgspec.Struct, frozen=True, tag="error", tag_field="kind", omit_defaults=True):
@@ -355,11 +213,3 @@ def protocol_refusal(peer_protocol: int) -> Error | None:
         detail=f"protocol {peer_protocol} not supported; this side speaks {PROTOCOL_VERSION}",
     )
 
-
-def with_added_age(batch: Batch, held_s: float) -> Batch:
-    """The batch as a relay forwards it: its age plus the time the relay held it.
-
-    held_s is a monotonic-clock difference taken by the relay itself; a negative value
-    (impossible from a monotonic clock) is treated as 0 so age never runs backwards.
-    """
-    return msgspec.structs.replace(batch, age_s=batch.age_s + max(held_s, 0.0))

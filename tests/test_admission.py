@@ -17,11 +17,11 @@ from gridd.core.admission import (
     Admission,
     AdmissionFences,
     Outcome,
-    validate_payload,
 )
-from gridd.core.readings import LatencyBlock, LoadSignals, Revision, UnitLoad
-from gridd.core.signals import sample_count
-from gridd.wire import WIRE_INT_MAX, Batch, Cursor, SkewEvidence, with_added_age
+from gridd.core.batch import WIRE_INT_MAX, Batch, Cursor, with_added_age
+from gridd.core.feedback_values import SkewEvidence
+from gridd.core.payload import validate_payload
+from gridd.core.readings import LatencyBlock, LoadSignals, Revision, UnitLoad, sample_count
 
 NOW = 1_790_000_000.0  # the receiver's wall clock, seconds
 E = 1_789_990_000  # a publisher epoch taken at operator start, before NOW

@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgspec
 from test_store import WALL, Feed, load, store
 
+from gridd.core.batch import Cursor, SourceKey
 from gridd.core.cursors import held_cursors, unchanged_batches
 from gridd.core.holdings import Holdings
 from gridd.core.readings import BatchOrder
-from gridd.wire import Cursor, SourceKey
 
 
 def test_a_candidate_whose_fence_moved_past_its_batch_gets_no_cursor():
@@ -18,7 +18,8 @@ def test_a_candidate_whose_fence_moved_past_its_batch_gets_no_cursor():
     kept, other = feed.batch("b"), feed.batch("c")
     s.ingest([kept, other], now=1.0, now_wall=WALL)
     assert set(held_cursors(s.candidates, s.fences)) == {
-        Cursor("b", "llama", kept.revision.publisher_epoch, 1), Cursor("c", "llama", other.revision.publisher_epoch, 1)}
+        Cursor("b", "llama", kept.revision.publisher_epoch, 1),
+        Cursor("c", "llama", other.revision.publisher_epoch, 1)}
     # A rejected payload advances b's fence (DESIGN 5b) but the store keeps the older batch:
     # a cursor would make the operator leave out a batch the gateway does not hold.
     rejected = feed.batch("b", ld=msgspec.structs.replace(load(), avg_running=-1.0))

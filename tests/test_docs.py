@@ -18,10 +18,10 @@ from docs_tables import table_rows
 
 from gridd.config_schema import Config
 from gridd.core.admission import DROP_REASONS
+from gridd.core.candidates import EXCLUSION_REASONS, SIGNAL_STATES
 from gridd.core.explain import CAPACITY_BOUNDS, OUTCOMES, TIERS
 from gridd.core.feedback import FAILURE_REASONS
 from gridd.core.readiness import FAILURE_CLASSES
-from gridd.core.store import EXCLUSION_REASONS, SIGNAL_STATES
 from gridd.daemon import DAEMON_STATES
 from gridd.link.session import CHANNEL_ERROR_REASONS
 from gridd.operator.channel_setup import REFUSAL_REASONS

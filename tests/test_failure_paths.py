@@ -135,8 +135,7 @@ async def test_batch_samples_counts_serving_units_and_zero_without_a_fresh_endpo
 
 
 def test_sample_count_rules():
-    from gridd.core.readings import LoadSignals, UnitLoad
-    from gridd.core.signals import legacy_sample_count, sample_count
+    from gridd.core.readings import LoadSignals, UnitLoad, legacy_sample_count, sample_count
 
     units = tuple(UnitLoad(unit=f"u{i}", waiting=0.0) for i in range(4))
     assert sample_count(LoadSignals(ready_endpoints=4, units=units, avg_running=1.0, in_flight=4.0)) == 4
@@ -259,7 +258,7 @@ def test_revision_less_batches_of_older_operators_still_order_by_published_ms():
 def test_order_beside_a_revision_is_refused():
     import msgspec
 
-    from gridd.core.admission import validate_payload
+    from gridd.core.payload import validate_payload
     from gridd.core.readings import BatchOrder
 
     batch = _publisher(7, iter(range(1, 9))).on_scrape(now=0.0, wall_now=1000.0, body=EPP_BODY, failure_class=None,
@@ -455,8 +454,8 @@ VLLM_KV_PERCENT = (b'vllm:num_requests_running{engine="0",model_name="sim-model"
 
 
 def test_one_bad_field_is_left_out_and_the_rest_published():
-    from gridd.core.admission import validate_payload
-    from gridd.core.signals import derive
+    from gridd.core.derivation import derive
+    from gridd.core.payload import validate_payload
 
     derived = derive(_parse(VLLM_KV_PERCENT))
     load = derived.load
@@ -492,8 +491,8 @@ def test_one_bad_field_is_left_out_and_the_rest_published():
 
 
 def _parse(body: bytes):
+    from gridd.core.derivation import WANTED_SAMPLES
     from gridd.core.exposition import parse_exposition
-    from gridd.core.signals import WANTED_SAMPLES
 
     return parse_exposition(body, WANTED_SAMPLES)
 

@@ -23,7 +23,7 @@ import trio
 import trustme
 from prometheus_client import CollectorRegistry
 
-from gridd.core.decisions import PIN_HEADER, Forward, Shed, Unavailable, UnknownModel
+from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
 from gridd.gateway.forward import (
     UpstreamBody,
     make_upstream_transport,
@@ -33,6 +33,7 @@ from gridd.gateway.forward import (
     upstream_target,
 )
 from gridd.gateway.front import SSE_DONE, FrontLimits, make_front_app, retry_after_seconds
+from gridd.gateway.pin import PIN_HEADER
 from gridd.httpserver import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from

@@ -294,7 +294,7 @@ async def test_recreated_provider_keeps_a_rising_sequence_that_receivers_admit(t
 
 
 def test_unpublishable_values_travel_as_a_verdict_alone_and_time_never_goes_back():
-    from gridd.core.admission import validate_payload
+    from gridd.core.payload import validate_payload
     from gridd.core.publication import ProviderPublisher
 
     pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gridd.core.capacity import CapacityLearner
-from gridd.core.ordering import CandidateView, Tier, build_snapshot, candidate_view
+from gridd.core.ordering import CandidateView, OrderedSnapshot, Tier, build_snapshot, candidate_view
 from gridd.core.readings import LoadSignals, Revision
 
 
@@ -112,11 +112,21 @@ def test_preference_tiers(case: str, views: list[CandidateView], room: list[str]
 
 
 def test_snapshot_is_immutable() -> None:
+    # Shared by every request task: nothing may change it after build_snapshot (a frozen
+    # struct, its tiers and views too), and a misspelled field is an error, never dropped.
     snap = build_snapshot("m", [view("a")])
     with pytest.raises(AttributeError):
-        snap.ordered = ()  # type: ignore[misc]
+        snap.ordered = ()  # type: ignore[misc]  # assigning to a frozen field must fail at runtime
     with pytest.raises(AttributeError):
-        view("a").rho = 0.0  # type: ignore[misc]
+        snap.room.total = 0.0  # type: ignore[misc]  # assigning to a frozen field must fail at runtime
+    with pytest.raises(AttributeError):
+        view("a").rho = 0.0  # type: ignore[misc]  # assigning to a frozen field must fail at runtime
+    fields = {f: getattr(snap, f) for f in snap.__struct_fields__}
+    assert OrderedSnapshot(**fields) == snap
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'ordred'"):
+        OrderedSnapshot(**fields, ordred=())
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'hot'"):
+        view("a", hot=True)
 
 
 @pytest.mark.parametrize("capacity", [0.0, -1.0, math.inf, math.nan])
@@ -181,3 +191,4 @@ def test_candidate_view_stale(fresh: bool, has_load: bool, now: float) -> None:
     assert v.rho == math.inf
     assert not v.full
     assert v.capacity == 6.0
+

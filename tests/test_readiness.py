@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from gridd.core.derivation import WANTED_SAMPLES
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.readiness import (
@@ -22,7 +23,6 @@ from gridd.core.readiness import (
     effective_stale_after_s,
     readiness_floor_s,
 )
-from gridd.core.signals import WANTED_SAMPLES
 
 
 def run(steps, *, stale_after_s: float = DEFAULT_STALE_METRICS_S, unavailable: bool = False):

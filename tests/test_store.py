@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
-from gridd.core.readings import LoadSignals, Revision, UnitLoad
-from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.knobs import RoutingKnobs
+from gridd.core.readings import LoadSignals, Revision, UnitLoad, sample_count
+from gridd.core.store import GatewayStore
 from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
 WALL = 1_800_000_000.0
@@ -21,7 +22,8 @@ SERVING = ServingConfig(
 def load(*, ready=2, running=1.0, waiting=0.0, units=True, kv=0.2, flow=0.0) -> LoadSignals:
     unit_list = tuple(UnitLoad(f"u{i}", waiting=waiting) for i in range(ready)) if units else ()
     return LoadSignals(ready_endpoints=ready, units=unit_list, avg_running=running, avg_waiting=waiting,
-                       kv_mean=kv, kv_spread=0.0, flow_queue=flow, in_flight=(running + waiting) * ready + flow)
+                       kv_mean=kv, kv_spread=0.0, flow_queue=flow,
+                       in_flight=(running + waiting) * ready + flow)
 
 
 class Feed:
@@ -35,8 +37,6 @@ class Feed:
         key = (site, provider)
         self.seq[key] = self.seq.get(key, 0) + 1
         ld = ld if ld is not None else load()
-        from gridd.core.signals import sample_count
-
         rev = Revision(f"uid-{site}", 1, epoch, self.seq[key], sample_count(ld))
         return Batch(site=site, provider=provider, model="m", published_ms=int(WALL * 1000), age_s=age_s,
                      revision=rev, complete=True, ready=ready, ready_reason="", load=ld)
@@ -225,7 +225,8 @@ def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
         s.ingest([feed.batch("a", ld=busy), feed.batch("b", ld=busy)], now=float(t), now_wall=WALL)
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Shed)
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1), pinned_site="a"), Shed)
-    s.ingest([feed.batch("a", ld=load(ready=0)), feed.batch("b", ready=False, ld=busy)], now=4.0, now_wall=WALL)
+    s.ingest([feed.batch("a", ld=load(ready=0)), feed.batch("b", ready=False, ld=busy)],
+             now=4.0, now_wall=WALL)
     assert isinstance(s.decide("m", now=4.0, rng=random.Random(1)), Unavailable)
 
 
@@ -315,9 +316,9 @@ def test_reconfigure_applies_new_knobs_and_keeps_learned_state():
 
 def test_knob_defaults():
     assert RoutingKnobs() == RoutingKnobs(
-        signal_ttl_s=20.0, future_epoch_bound_s=600.0, capacity_floor=1.0, rho_smoothing=0.5, recent_window_s=10.0,
-        unit_capacity=8.0, evidence_window_s=60.0, pick_rule="two_choices", pending_weight=4.0,
-        candidate_retention_s=600.0, shedding=False, full_after_s=5.0, room_after_s=5.0)
+        signal_ttl_s=20.0, future_epoch_bound_s=600.0, capacity_floor=1.0, rho_smoothing=0.5,
+        recent_window_s=10.0, unit_capacity=8.0, evidence_window_s=60.0, pick_rule="two_choices",
+        pending_weight=4.0, candidate_retention_s=600.0, shedding=False, full_after_s=5.0, room_after_s=5.0)
     assert RoutingKnobs(unit_capacity=3.0).learner_args() == {
         "floor": 1.0, "alpha": 0.5, "recent_window_s": 10.0, "unit_capacity": 3.0, "evidence_window_s": 60.0}
 

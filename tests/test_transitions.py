@@ -67,3 +67,12 @@ def test_targets_have_their_own_budgets_and_can_be_forgotten():
 def test_a_budget_must_allow_a_line(burst, window_s):
     with pytest.raises(ValueError, match="burst must be >= 1 and window_s > 0"):
         TransitionLog(burst=burst, window_s=window_s)
+
+
+def test_a_transition_is_frozen_and_has_no_room_for_other_fields():
+    line = Transition("peer b", "up", "down")
+    with pytest.raises(AttributeError):
+        line.new = "up"  # type: ignore[misc]  # assigning to a frozen field must fail at runtime
+    with pytest.raises(TypeError, match="unexpected keyword argument 'extra'"):
+        Transition("peer b", "up", "down", unlogged=0, extra=1)  # type: ignore[call-arg]  # the point
+    assert not hasattr(line, "__dict__")  # slots: no attribute can be added either

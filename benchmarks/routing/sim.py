@@ -38,8 +38,9 @@ import msgspec
 
 from gridd.core.capacity import gateway_in_flight
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
+from gridd.core.knobs import RoutingKnobs
 from gridd.core.publication import ProviderPublisher
-from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.store import GatewayStore
 from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
 FIRST_DATA_WAIT_S = 2.0  # gridd.gateway.front.FrontLimits.first_data_wait_s

@@ -388,7 +388,8 @@ class CapacityLearner:
 
     def unit_bounds(self, now: float) -> tuple[float | None, float | None]:
         """(soft, hard) per-unit evidence still within the evidence window at ``now``."""
-        return (self._soft.value(now, self._evidence_window_s), self._hard.value(now, self._evidence_window_s))
+        window = self._evidence_window_s
+        return (self._soft.value(now, window), self._hard.value(now, window))
 
     def capacity(self, now: float) -> float:
         """Capacity in requests at ``now``: units x the lesser of the soft side (the prior, or

@@ -22,14 +22,15 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from gridd.core.admission import AdmissionFences
-from gridd.wire import Batch, Cursor, SourceKey, ordering
+from gridd.core.batch import Batch, Cursor, SourceKey, ordering
 
 
 class HeldCandidate(Protocol):
     batch: Batch | None
 
 
-def held_cursors(candidates: Mapping[tuple[str, str], HeldCandidate], fences: AdmissionFences) -> tuple[Cursor, ...]:
+def held_cursors(candidates: Mapping[tuple[str, str], HeldCandidate],
+                 fences: AdmissionFences) -> tuple[Cursor, ...]:
     """One cursor per candidate whose held batch sits exactly at its fence."""
     out: list[Cursor] = []
     for cursor in fences.cursors():
@@ -42,7 +43,8 @@ def held_cursors(candidates: Mapping[tuple[str, str], HeldCandidate], fences: Ad
     return tuple(out)
 
 
-def unchanged_batches(candidates: Mapping[tuple[str, str], HeldCandidate], unchanged: Iterable[SourceKey]) -> list[Batch]:
+def unchanged_batches(candidates: Mapping[tuple[str, str], HeldCandidate],
+                      unchanged: Iterable[SourceKey]) -> list[Batch]:
     """The held batch of each provider the operator named unchanged, to be admitted (as a
     repeat) with the poll's other batches. A key no longer held (forgotten since the poll
     was sent) is left out: nothing to repeat."""

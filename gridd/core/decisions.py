@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gridd.wire import LocalProvider
-
-PIN_HEADER = "x-gridd-site"
-"""A request forwarded to another site's ingress carries this header naming that site; the
-receiving gateway serves it locally and never re-routes it (no loops)."""
+from gridd.core.serving import LocalProvider
 
 
 class Forward(msgspec.Struct, frozen=True):
@@ -20,7 +16,8 @@ class Forward(msgspec.Struct, frozen=True):
     local: LocalProvider | None = None
     """Set for this site's providers: endpoint, auth and headers from our own operator."""
     ingress_url: str | None = None
-    """Set for another site: its gateways' base URL; the request carries PIN_HEADER."""
+    """Set for another site: its gateways' base URL; the request carries the gateway's pin
+    header naming that site."""
 
 
 class Shed(msgspec.Struct, frozen=True):

@@ -7,17 +7,17 @@ reason, and what a pick would do now, with the probability of each candidate.
 Everything is read from the store's public state at one instant ``now``; nothing is
 decided twice where the store already decides it:
 
-- signal state, age and exclusion: ``GatewayStore.candidate_state`` (the one place);
+- signal state, age and exclusion: ``CandidateTable.state`` (the one place);
 - tier, capacity weight, full, ordered rho: the model's ``OrderedSnapshot``, the very
   one the request path reads;
 - pick chances: ``selection.pick_chances`` on that snapshot with the store's pick rule
-  and the same pending load ``decide()`` adds (``GatewayStore.pending_rho``), so they are
+  and the same pending load ``decide()`` adds (``Decider.pending_rho``), so they are
   the exact probabilities of the next request's pick;
 - the capacity's evidence: the learner's unit count and per-unit bounds at ``now``, laid
   out as ``capacity = max(units x min(soft side, hard), floor)``; which term is in force is
   named (a test checks the laid-out value equals ``CapacityLearner.capacity``).
 
-What a request gets follows ``GatewayStore.decide`` step by step, without drawing or
+What a request gets follows ``Decider.decide`` step by step, without drawing or
 recording a send: no routing data (503 ``no_operator_data``), unknown model (404), shedding
 (429), a pick (forward), every candidate excluded (503 ``excluded`` or ``silent``). A test
 checks it against ``decide()`` on the same store.
@@ -32,10 +32,12 @@ import math
 
 import msgspec
 
+from gridd.core.candidates import Candidate
 from gridd.core.capacity import SOFT_PROBE, backlogged, queue_depth
+from gridd.core.decider import NO_OPERATOR_DATA_RETRY_AFTER_S
 from gridd.core.ordering import CandidateView, OrderedSnapshot
 from gridd.core.selection import pick_chances
-from gridd.core.store import NO_OPERATOR_DATA_RETRY_AFTER_S, Candidate, GatewayStore
+from gridd.core.store import GatewayStore
 from gridd.core.strategy import STRATEGY_RECHECK_S, CandidateRank, explain_strategy
 
 TIERS = ("room", "not_full", "full", "stale")
@@ -73,7 +75,7 @@ class CapacityEvidence(msgspec.Struct, frozen=True):
 class CandidateExplain(msgspec.Struct, frozen=True):
     """One candidate of the model at ``now``.
 
-    signal / age_s / excluded: from ``GatewayStore.candidate_state``.
+    signal / age_s / excluded: from ``CandidateTable.state``.
     arrived_age_s: the age the batch carried when it reached this gateway (the operator's
         scrape-to-send time, plus the peer relay for another site); held_s: how long this
         gateway has held it since. age_s = arrived_age_s + held_s.
@@ -196,7 +198,8 @@ def _capacity_reason(ev: CapacityEvidence) -> str:
         return f"capacity {ev.capacity:g}: the floor (no serving-unit count yet)"
     soft = "none" if ev.soft_per_unit is None else f"{ev.soft_per_unit:.2f}/unit"
     hard = "none" if ev.hard_per_unit is None else f"{ev.hard_per_unit:.2f}/unit"
-    in_force = {"prior": f"the prior {ev.unit_capacity:g}/unit", "soft": f"the soft side {ev.soft_side:.2f}/unit",
+    in_force = {"prior": f"the prior {ev.unit_capacity:g}/unit",
+                "soft": f"the soft side {ev.soft_side:.2f}/unit",
                 "hard": f"the limit {hard}", "floor": f"the floor {ev.floor:g}"}[ev.bound]
     return (f"capacity {ev.capacity:.1f} from {in_force} x {ev.units} units "
             f"(held with nothing queued {soft}, demonstrated limit {hard})")
@@ -229,7 +232,8 @@ def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None,
     batch, learner, key = cand.batch, cand.learner, (cand.site, cand.provider)
     load = batch.load if batch is not None else None
     pending = store.sends.since(key, now - state.age_s) if math.isfinite(state.age_s) else 0
-    pending_rho = (store.pending_rho(now)(view) if view is not None and store.knobs.pending_weight > 0 else 0.0)
+    pending_rho = (store.pending_rho(now)(view) if view is not None and store.knobs.pending_weight > 0
+                   else 0.0)
     evidence = capacity_evidence(store, cand, now)
     explained = CandidateExplain(
         site=cand.site, provider=cand.provider, local=cand.site == store.site,
@@ -265,7 +269,7 @@ def _candidate(store: GatewayStore, cand: Candidate, view: CandidateView | None,
 
 def _outcome(store: GatewayStore, model: str, snapshot: OrderedSnapshot | None, now: float,
              chances: dict[tuple[str, str], float], shedding_now: bool) -> RequestOutcome:
-    # The steps of GatewayStore.decide, in its order, without a draw.
+    # The steps of Decider.decide, in its order, without a draw.
     problem = store.routing_data_problem(now)
     if problem is not None:
         return RequestOutcome("unavailable", 503, "no_operator_data", NO_OPERATOR_DATA_RETRY_AFTER_S, problem)
@@ -310,7 +314,8 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
         else:
             # The same filter and rank decide() applies (gridd/core/strategy.py).
             ranks = {(r.site, r.provider): r for r in explain_strategy(
-                snapshot, strategy, store.probe_values(now), rule=knobs.strategies.pick_rule, extra_rho=extra_rho)}
+                snapshot, strategy, store.probe_values(now), rule=knobs.strategies.pick_rule,
+                extra_rho=extra_rho)}
             chances = {key: r.chance for key, r in ranks.items() if r.chance > 0}
             all_dropped = bool(snapshot.ordered) and not any(r.verdict == "kept" for r in ranks.values())
     shed = store.shed.get(model) if knobs.shedding else None  # consulted only when enabled
@@ -326,7 +331,8 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
                            else None,
                            run_for_s=None if since is None else round(now - since, 3))
     outcome = _outcome(store, model, snapshot, now, chances, shedding_now)
-    if all_dropped and outcome.kind in ("unavailable", "unknown_model") and outcome.cause != "no_operator_data":
+    if strategy is not None and all_dropped and outcome.kind in ("unavailable", "unknown_model") \
+            and outcome.cause != "no_operator_data":  # all_dropped only under a strategy
         outcome = RequestOutcome("unavailable", 503, "strategy", STRATEGY_RECHECK_S,
                                  f"every healthy candidate is over strategy {strategy.name!r}'s bounds")
     if outcome.kind != "forward":
@@ -336,6 +342,7 @@ def explain_model(store: GatewayStore, model: str, *, now: float) -> ModelExplai
     return ModelExplain(
         model=model, pick_rule=knobs.pick_rule, pending_weight=knobs.pending_weight,
         signal_ttl_s=knobs.signal_ttl_s, outcome=outcome, shedding=shedding,
-        candidates=[_candidate(store, c, views.get((c.site, c.provider)), now, chances, ranks) for c in members],
+        candidates=[_candidate(store, c, views.get((c.site, c.provider)), now, chances, ranks)
+                    for c in members],
         known_models=store.models(), strategy=strategy.name if strategy is not None else None,
     )

@@ -25,10 +25,10 @@ from typing import Final, Literal
 
 import msgspec
 
-from gridd.wire import (
+from gridd.core.batch import WIRE_INT_MAX
+from gridd.core.feedback_values import (
     ACK_ACCEPTED,
     FEEDBACK_EVIDENCE_MAX,
-    WIRE_INT_MAX,
     FeedbackAck,
     FeedbackReport,
     SkewEvidence,
@@ -328,13 +328,14 @@ class ReplicaRecord(msgspec.Struct, kw_only=True):
                        f", latest {latest.site}/{latest.provider} publisher_epoch {latest.publisher_epoch}")
             return {
                 "type": CONDITION_TYPE, "replica": self.replica, "status": "True", "reason": "SkewRejected",
-                "message": (f"gateway {self.replica} rejected {self.rejections} batch(es) as too far ahead of "
-                            f"its wall clock ({len(self.evidence)} distinct held{example}); "
+                "message": (f"gateway {self.replica} rejected {self.rejections} batch(es) as too far "
+                            f"ahead of its wall clock ({len(self.evidence)} distinct held{example}); "
                             f"{self.clean_streak} of {RESOLVE_AFTER_CLEAN_REPORTS} clean reports to resolve; "
                             f"{heard}"),
             }
         if self.resolved_by == "admin":
-            reason, message = "ClearedByAdmin", f"gateway {self.replica}: evidence cleared by an administrator"
+            reason, message = "ClearedByAdmin", (f"gateway {self.replica}: evidence cleared by an "
+                                                 "administrator")
         elif self.resolved_by == "clean_reports":
             reason, message = "ReportsClean", (f"gateway {self.replica}: {RESOLVE_AFTER_CLEAN_REPORTS} clean "
                                                "reports in a row since its last skew rejection")

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from gridd.wire import Batch, Cursor, SourceKey, with_added_age
+from gridd.core.batch import Batch, Cursor, SourceKey, with_added_age
 
 
 class Held(msgspec.Struct, frozen=True):

@@ -78,7 +78,7 @@ def candidate_view(
         provider=provider,
         model=model,
         capacity=learner.bound,
-        rho=math.inf if stale else worst,
+        rho=math.inf if stale or worst is None else worst,  # worst is None only when stale
         healthy=healthy,
         full=False if stale else saturated_with_work_waiting(learner.rho, load),
         queue_depth=queue_depth(load),
@@ -179,7 +179,8 @@ def build_snapshot(
         if view.model != model:
             raise ValueError(f"candidate {view.site}/{view.provider} serves {view.model!r}, not {model!r}")
         if not (math.isfinite(view.capacity) and view.capacity > 0):
-            raise ValueError(f"candidate {view.site}/{view.provider} has capacity {view.capacity!r}; must be > 0")
+            raise ValueError(f"candidate {view.site}/{view.provider} has capacity {view.capacity!r}; "
+                             "must be > 0")
         (pickable if view.healthy else excluded).append(view)
     pickable.sort(key=_order_key)
     excluded.sort(key=_order_key)

@@ -10,7 +10,7 @@ extract(body, rules) -> {name: value}
         be a JSON number (true/false are not numbers: skipped, as are strings such as "7",
         null, objects and lists). A body that is not JSON yields nothing for json rules.
     Values must be finite: NaN and +/-Inf are skipped, because receivers reject a batch
-        carrying a non-finite probe value (gridd.core.admission.validate_payload).
+        carrying a non-finite probe value (gridd.core.payload.validate_payload).
     A name produced more than once (two matching lines, or two rules) takes the LAST value
         produced, rules in order, matches in body order.
 

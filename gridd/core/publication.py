@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import msgspec
 
-from gridd.core.admission import validate_payload
+from gridd.core.batch import Batch
+from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
 from gridd.core.exposition import parse_exposition
 from gridd.core.latency import LatencyWindow
+from gridd.core.payload import validate_payload
 from gridd.core.readiness import ReadinessTracker, Verdict, probe_only_verdict
-from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision
-from gridd.core.signals import WANTED_SAMPLES, derive, kind_mismatch, sample_count
-from gridd.wire import Batch
+from gridd.core.readings import BatchOrder, LatencyBlock, LoadSignals, Revision, sample_count
 
 MAX_EXPOSITION_LINES = 50_000
 """A body over this many lines fails as ``parse`` before it is parsed. 1 MiB of real EPP
@@ -32,8 +32,8 @@ lines cost the parser ~40 ms on the event loop, the most a scrape may take there
 class ScrapeSummary:
     """What gridctl and the exporter show about a provider's scraping."""
 
-    __slots__ = ("scrapes", "failures", "malformed_lines", "unpublishable", "invalid_fields", "last_success_at",
-                 "last_failure_class", "last_failure_detail", "last_scrape_at")
+    __slots__ = ("scrapes", "failures", "malformed_lines", "unpublishable", "invalid_fields",
+                 "last_success_at", "last_failure_class", "last_failure_detail", "last_scrape_at")
 
     def __init__(self) -> None:
         self.scrapes = 0
@@ -89,7 +89,8 @@ class ProviderPublisher:
         # re-create under the same name (a new uid): the operator hands out one counter.
         self._next_sequence = next_sequence
         self.sequence = 0
-        self.readiness = ReadinessTracker(created_at=created_at, engine_answer_window_s=engine_answer_window_s)
+        self.readiness = ReadinessTracker(created_at=created_at,
+                                          engine_answer_window_s=engine_answer_window_s)
         self.latency = self._latency_window(latency_window_s, latency_min_completed)
         self.summary = ScrapeSummary()
         self.last_load: LoadSignals | None = None
@@ -110,7 +111,8 @@ class ProviderPublisher:
         return LatencyWindow(window_s=window_s, min_completed=min_completed, kind=self.kind,
                              models=frozenset((self.model, *self.adapters)))
 
-    def retune(self, *, latency_window_s: float, latency_min_completed: int, engine_answer_window_s: float) -> None:
+    def retune(self, *, latency_window_s: float, latency_min_completed: int,
+               engine_answer_window_s: float) -> None:
         """A committed reload's windows: readiness history kept; the latency window starts
         over when its length or threshold changed (its baseline meant the old window)."""
         self.readiness.retune(engine_answer_window_s=engine_answer_window_s)
@@ -187,7 +189,8 @@ class ProviderPublisher:
         batch, sequence = self._unrevised_batch(now, wall_now, verdict)
         if load is None:
             return batch
-        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence, sample_count(load))
+        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence,
+                            sample_count(load))
         full = msgspec.structs.replace(batch, revision=revision, order=None, complete=True, load=load,
                                        latency=latency)
         problem = validate_payload(full)

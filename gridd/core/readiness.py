@@ -206,10 +206,12 @@ class ReadinessTracker:
             return Verdict(None, "BodyCap", failure,
                            "the /metrics body reached the read budget (body_cap); readiness unknown")
         if self._latest_answer is None:
-            message = "not scraped yet" if failure is None else f"not scraped yet; latest scrape failed: {failure}"
+            message = ("not scraped yet" if failure is None
+                       else f"not scraped yet; latest scrape failed: {failure}")
             return Verdict(None, "NotYetScraped", failure, message)
 
-        suffix = "" if failure is None else f"; latest scrape failed: {failure}, last success {silent_s:.1f}s ago"
+        suffix = ("" if failure is None
+                  else f"; latest scrape failed: {failure}, last success {silent_s:.1f}s ago")
         ready = self._ready_endpoints
         if ready is None:
             # "A scrape answering without the pool's ready-endpoint series leaves readiness

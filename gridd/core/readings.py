@@ -1,6 +1,6 @@
 """What one provider's scrape says, as it travels from operator to gateway.
 
-These frozen msgspec structs are produced by signal derivation (gridd.core.signals),
+These frozen msgspec structs are produced by load derivation (gridd.core.derivation),
 carried whole inside signals-channel batches (gridd.wire) and read by the gateway's
 learning and selection. New fields always get defaults (schema evolution).
 """
@@ -85,3 +85,30 @@ class BatchOrder(msgspec.Struct, frozen=True, array_like=True):
 
     publisher_epoch: int
     batch_sequence: int
+
+
+def sample_count(load: LoadSignals) -> int:
+    """The batch's load-sample count (``batch_samples``): one per serving unit.
+
+    DESIGN 5: a batch "carries its sample count", and its load samples are per serving
+    unit. So the count is ``len(load.units)``; a batch that has fresh pool-level load
+    (avg_running, avg_waiting, kv_mean or in_flight) but no per-unit series counts the
+    pool as its one sample. A provider with no fresh endpoint carries neither and counts
+    0, which is what the spec's "A zero-sample revision invalidates learning" needs.
+    ready_endpoints and flow_queue are not load samples: they are stamped even when
+    nothing is fresh.
+    """
+    if load.units:
+        return len(load.units)
+    return 1 if _has_pool_sample(load) else 0
+
+
+def legacy_sample_count(load: LoadSignals) -> int:
+    """The count operators published before it was per serving unit: the units plus one
+    for the pool-level load. Receivers still accept it on a complete batch, so a fleet
+    upgraded one site at a time keeps admitting the older sites' batches."""
+    return len(load.units) + (1 if _has_pool_sample(load) else 0)
+
+
+def _has_pool_sample(load: LoadSignals) -> bool:
+    return any(v is not None for v in (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))

@@ -11,11 +11,11 @@ snapshot, so it is never picked while a healthy one is left.
 ``two_choices`` (the default; decided by the routing-quality issue, measured in
 docs/routing.md): draw two distinct fresh healthy candidates, each draw proportional to
 capacity among those not yet drawn, and take the better by (preference tier, rho after the
-pick): rho raised by the candidate's pending load and by this request (1 / capacity). With one fresh candidate, take it. If the two
-drawn are both full while some fresh candidate is not, draw again from the best tier
-that is not full. The spec's own rules send *every* request to the one site with room
-(or weight two by capacity over 1 + rho) for as long as a reading lasts; with readings
-a few seconds old every gateway does it at once, which is a herd.
+pick): rho raised by the candidate's pending load and by this request (1 / capacity). With
+one fresh candidate, take it. If the two drawn are both full while some fresh candidate is
+not, draw again from the best tier that is not full. The spec's own rules send *every*
+request to the one site with room (or weight two by capacity over 1 + rho) for as long as a
+reading lasts; with readings a few seconds old every gateway does it at once, which is a herd.
 
 ``spec_tiers`` (the spec's text, kept for comparison and for operators who want it):
 
@@ -187,7 +187,8 @@ def _spec_tiers(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
         first, second = draw_two(room, rng)
         return _route(second if second.rho < first.rho else first, "two_choices")
     if n == 2:
-        return _route(room.candidates[0] if rng.random() < snapshot.pair_first_p else room.candidates[1], "pair")
+        first_p = snapshot.pair_first_p
+        return _route(room.candidates[0] if rng.random() < first_p else room.candidates[1], "pair")
     if n == 1:
         return _route(room.candidates[0], "single")
     if snapshot.not_full:
@@ -199,7 +200,8 @@ def _spec_tiers(snapshot: OrderedSnapshot, rng: random.Random) -> Outcome:
 # -- explain: the exact chance of each pick (gridctl explain) -----------------------------------
 
 
-def pair_chances(tier: Tier, winner: Callable[[CandidateView, CandidateView], CandidateView]) -> dict[int, float]:
+def pair_chances(tier: Tier,
+                 winner: Callable[[CandidateView, CandidateView], CandidateView]) -> dict[int, float]:
     """P(each candidate is taken) when two are drawn by capacity and ``winner`` decides:
     P(first = i, second = j) = (c_i / T) x (c_j / (T - c_i)), summed over ordered pairs."""
     chances: dict[int, float] = {}
@@ -238,9 +240,13 @@ def pick_chances(snapshot: OrderedSnapshot, *, rule: PickRule = "two_choices",
         fresh = snapshot.fresh
         if len(fresh) == 1:
             return _tier_chances(fresh, lambda a, b: a)
+
+        def better(a: CandidateView, b: CandidateView) -> CandidateView:
+            return b if pick_rank(b, extra) < pick_rank(a, extra) else a
+
         chances: dict[tuple[str, str], float] = {}
         redraw = 0.0
-        for k, p in pair_chances(fresh, lambda a, b: b if pick_rank(b, extra) < pick_rank(a, extra) else a).items():
+        for k, p in pair_chances(fresh, better).items():
             view = fresh.candidates[k]
             if view.full and not snapshot.all_full:
                 redraw += p  # both drawn were full: drawn again from the best tier not full
@@ -253,7 +259,8 @@ def pick_chances(snapshot: OrderedSnapshot, *, rule: PickRule = "two_choices",
         return chances
     if snapshot.stale:
         stale = snapshot.stale
-        return {(v.site, v.provider): c / stale.total for v, c in zip(stale.candidates, stale.capacities, strict=True)}
+        return {(v.site, v.provider): c / stale.total
+                for v, c in zip(stale.candidates, stale.capacities, strict=True)}
     return {}
 
 

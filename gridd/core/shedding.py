@@ -112,7 +112,8 @@ class ShedState:
         """
         self._advance(now)
         if self._shedding:
-            wait = self._room_after_s if self._relief_since is None else self._relief_since + self._room_after_s - now
+            relief = self._relief_since
+            wait = self._room_after_s if relief is None else relief + self._room_after_s - now
         elif self._full_since is not None:
             wait = self._full_since + self._full_after_s - now
         else:

@@ -238,5 +238,6 @@ def explain_strategy(snapshot: OrderedSnapshot, strategy: Strategy, values: Valu
     out += [CandidateRank(v.site, v.provider, "dropped", reason=ranked.dropped[(v.site, v.provider)],
                           keys=ranked.keys[(v.site, v.provider)])
             for v in snapshot.ordered if (v.site, v.provider) in ranked.dropped]
-    out += [CandidateRank(v.site, v.provider, "excluded", reason="excluded by the grid") for v in snapshot.excluded]
+    out += [CandidateRank(v.site, v.provider, "excluded", reason="excluded by the grid")
+            for v in snapshot.excluded]
     return out

@@ -21,7 +21,7 @@ DEFAULT_BURST = 4
 DEFAULT_WINDOW_S = 60.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transition:
     """A line to log: ``target`` went from ``old`` (the last state logged; None at first
     sight) to ``new``; ``unlogged`` changes happened in between without a line."""
@@ -56,7 +56,8 @@ class TransitionLog:
         self.window_s = window_s
         self._targets: dict[Hashable, _Target] = {}
 
-    def observe(self, target: Hashable, state: str, now: float, *, baseline: str | None = None) -> Transition | None:
+    def observe(self, target: Hashable, state: str, now: float, *,
+                baseline: str | None = None) -> Transition | None:
         """Record one observation; return the line to log, if any.
 
         ``baseline``: a state that needs no line when it is the first one seen (a scrape that

@@ -33,8 +33,9 @@ import httpcore
 import httpx
 import trio
 
-from gridd.core.decisions import PIN_HEADER, Forward
+from gridd.core.decisions import Forward
 from gridd.errors import GriddError
+from gridd.gateway.pin import PIN_HEADER
 
 __all__ = [
     "HOP_BY_HOP",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gridd.core.decisions import PIN_HEADER, Decision, Forward, Shed, Unavailable, UnknownModel
+from gridd.core.decisions import Decision, Forward, Shed, Unavailable, UnknownModel
+from gridd.gateway.pin import PIN_HEADER
 
 __all__ = ["PIN_HEADER", "Decision", "Forward", "Router", "Shed", "Unavailable", "UnknownModel"]
 

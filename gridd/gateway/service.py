@@ -30,7 +30,8 @@ from gridd.core.cursors import held_cursors, unchanged_batches
 from gridd.core.decisions import Decision
 from gridd.core.explain import explain_model
 from gridd.core.feedback import FAILURE_REASONS, Delivery, FeedbackReporter
-from gridd.core.store import GatewayStore, RoutingKnobs
+from gridd.core.knobs import RoutingKnobs
+from gridd.core.store import GatewayStore
 from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError

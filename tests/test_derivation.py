@@ -1,4 +1,4 @@
-"""Load derivation (gridd.core.signals) against the reference samples and synthetic cases.
+"""Load derivation (gridd.core.derivation) against the reference samples and synthetic cases.
 
 Every expected figure is worked out by hand from the sample files in the comment next to
 it (tests/data/samples/*.prom).
@@ -10,9 +10,9 @@ import math
 
 import pytest
 
+from gridd.core.derivation import LOAD_SAMPLES, WANTED_SAMPLES, derive_load, pool_names
 from gridd.core.exposition import parse_exposition
-from gridd.core.readings import LoadSignals, UnitLoad
-from gridd.core.signals import LOAD_SAMPLES, WANTED_SAMPLES, derive_load, pool_names, sample_count
+from gridd.core.readings import LoadSignals, UnitLoad, sample_count
 
 POD = "llama3-8b-decode-7d9c8f6b5-{}-rank-0"
 QWEN = "qwen3-32b-decode-5b7f9c6d8-{}-rank-0"
@@ -179,7 +179,8 @@ inference_extension_flow_control_queue_size{fairness_id="f",inference_pool="p",p
 def test_legacy_twins_serve_an_older_epp():
     load = derive_text(LEGACY_ONLY, queue_full_at=2)
     assert load.ready_endpoints == 3
-    assert [(u.unit, u.waiting) for u in load.units] == [("a-rank-0", 3.0), ("b-rank-0", 1.0), ("c-rank-0", 2.0)]
+    assert [(u.unit, u.waiting) for u in load.units] == [
+        ("a-rank-0", 3.0), ("b-rank-0", 1.0), ("c-rank-0", 2.0)]
     assert load.kv_spread is None  # no std-dev gauge before llm-d-router v0.10
     # No in-flight producer: averages only, (4 + 2) x 3 = 18, + 5 flow-control = 23.
     assert load.in_flight == 23.0

@@ -1,4 +1,4 @@
-"""Load signals derived from one provider scrape (spec: Provider In-flight; DESIGN 5).
+"""Load derivation: one provider scrape into its load reading (spec: Provider In-flight; DESIGN 5).
 
 derive_load(expo, pool=..., queue_full_at=...) turns one parsed /metrics exposition into
 a LoadSignals. It detects the source:
@@ -30,9 +30,7 @@ __all__ = [
     "derive",
     "derive_load",
     "kind_mismatch",
-    "legacy_sample_count",
     "pool_names",
-    "sample_count",
 ]
 
 Labels = dict[str, str]
@@ -203,7 +201,8 @@ def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kin
             pool = pools[0]
         if pool not in pools:
             return LoadSignals()
-        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at, checked=checked)
+        return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at,
+                           checked=checked)
     if kind == "auto" and _has_vllm_series(expo):
         return _derive_vllm(expo, queue_full_at, checked)
     return LoadSignals()
@@ -212,33 +211,6 @@ def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kin
 def _has_vllm_series(expo: Exposition) -> bool:
     """Whether the exposition carries any vLLM engine load series."""
     return any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
-
-
-def sample_count(load: LoadSignals) -> int:
-    """The batch's load-sample count (``batch_samples``): one per serving unit.
-
-    DESIGN 5: a batch "carries its sample count", and its load samples are per serving
-    unit. So the count is ``len(load.units)``; a batch that has fresh pool-level load
-    (avg_running, avg_waiting, kv_mean or in_flight) but no per-unit series counts the
-    pool as its one sample. A provider with no fresh endpoint carries neither and counts
-    0, which is what the spec's "A zero-sample revision invalidates learning" needs.
-    ready_endpoints and flow_queue are not load samples: they are stamped even when
-    nothing is fresh.
-    """
-    if load.units:
-        return len(load.units)
-    return 1 if _has_pool_sample(load) else 0
-
-
-def legacy_sample_count(load: LoadSignals) -> int:
-    """The count operators published before it was per serving unit: the units plus one
-    for the pool-level load. Receivers still accept it on a complete batch, so a fleet
-    upgraded one site at a time keeps admitting the older sites' batches."""
-    return len(load.units) + (1 if _has_pool_sample(load) else 0)
-
-
-def _has_pool_sample(load: LoadSignals) -> bool:
-    return any(v is not None for v in (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
 
 
 def _first_for_pool(expo: Exposition, families: Iterable[str], pool: str) -> float | None:
@@ -332,7 +304,8 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
         for labels, raw in expo.samples.get(family, ()):
             if labels.get("name") == pool and math.isfinite(raw):
                 # A negative count leaves the endpoint listed, its waiting count absent.
-                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""), checked.count("waiting", family, raw))
+                waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""),
+                                               checked.count("waiting", family, raw))
         if waiting_by_endpoint:
             break
     # The EPP exposes no per-endpoint running count or KV usage: running and kv_usage stay
@@ -389,7 +362,8 @@ def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checke
     for that engine, and the pool figure computed from it (mean, spread, in-flight) is
     absent too: a mean over the other engines would not describe the pool.
     """
-    def per_engine(families: tuple[str, ...], field: str, *, fraction: bool = False) -> dict[str, float | None]:
+    def per_engine(families: tuple[str, ...], field: str, *,
+                   fraction: bool = False) -> dict[str, float | None]:
         read = checked.fraction if fraction else checked.count
         for family in families:
             found: dict[str, float | None] = {}
@@ -418,7 +392,8 @@ def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checke
                                     (kv_values, "kv_usage", ("kv_mean", "kv_spread"))):
         if values is None:
             for figure in figures:
-                checked.invalid.setdefault(figure, f"left out with {source} (computed from every engine's value)")
+                checked.invalid.setdefault(
+                    figure, f"left out with {source} (computed from every engine's value)")
     in_flight = None
     if (running or waiting) and running_values is not None and waiting_values is not None:
         in_flight = sum(running_values) + sum(waiting_values)
