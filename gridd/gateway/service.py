@@ -37,7 +37,7 @@ from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError
 from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
-from gridd.httpserver import serve_asgi
+from gridd.httpserver import ASGIApp, serve_asgi
 from gridd.link.dial import ExpectedPeer, open_channel_dialer, parse_channel_url
 from gridd.link.poller import LinkLines, PollAnswer, Poller, PollLink
 from gridd.link.session import ChannelError
@@ -285,9 +285,13 @@ class GatewayService:
             await self._front_done.wait()
             nursery.cancel_scope.cancel()
 
-    async def _serve_front(self, app, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve_front(self, app: ASGIApp, *,
+                           task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        bind = self.config.listen.http
+        if bind is None:  # check_gateway_config refuses a gateway without listen.http
+            raise ConfigError("listen.http: a gateway needs an address for its front")
         try:
-            await serve_asgi(app, [self.config.listen.http], stop_accepting=self._stop_accepting,
+            await serve_asgi(app, [bind], stop_accepting=self._stop_accepting,
                              task_status=task_status, reuse_port=self.config.listen.http_reuse_port,
                              **http_limits(self.config))
         finally:
