@@ -105,7 +105,7 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
 
     from gridd.gateway.forward import make_upstream_transport
     from gridd.gateway.front import make_front_app
-    from gridd.httpserver import serve_asgi
+    from gridd.http.serve import serve_asgi
     from gridd.sim import model as sim_model
     from gridd.sim.app import SimApp
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from gridd.config import Config, LoadedConfig
 from gridd.errors import ConfigError
 from gridd.gateway.service import check_gateway_config, load_gateway_tls
-from gridd.httpserver import parse_bind
+from gridd.http.listeners import parse_bind
 from gridd.operator.service import check_operator_config
 from gridd.operator.signals import load_signals_tls
 from gridd.tls import TLSMaterialError

@@ -33,7 +33,7 @@ from gridd.gateway.forward import (
     upstream_target,
 )
 from gridd.gateway.front import SSE_DONE, FrontLimits, make_front_app, retry_after_seconds
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from
 from gridd.wire import LocalProvider

@@ -1,4 +1,4 @@
-"""gridd.httpserver on real loopback sockets, for both backends where the contract is shared."""
+"""gridd.http (serve_asgi) on real loopback sockets, for both backends where the contract is shared."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from gridd.httpserver import ClientDisconnected, parse_bind, serve_asgi
+from gridd.http.asgi import ClientDisconnected
+from gridd.http.listeners import parse_bind
+from gridd.http.serve import serve_asgi
 
 BACKENDS = ["h11", "hypercorn"]
 BOUND_S = 5.0  # every wait on the server in these tests is bounded by this

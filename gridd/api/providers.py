@@ -34,8 +34,8 @@ import yaml
 
 from gridd.config import Config, LoadedConfig, parse_config, placeholder_names
 from gridd.errors import ConfigError, StateError
-from gridd.httpserver import ClientDisconnected, Receive, Scope, Send, parse_bind
-from gridd.metrics_app import send_simple
+from gridd.http.asgi import ClientDisconnected, Receive, Scope, Send, send_simple
+from gridd.http.listeners import parse_bind
 from gridd.state import write_durably
 
 __all__ = [

@@ -45,8 +45,7 @@ from gridd.gateway.forward import (
     upstream_target,
 )
 from gridd.gateway.router import PIN_HEADER, Forward, Router, Shed, Unavailable, UnknownModel
-from gridd.httpserver import ClientDisconnected, Receive, Scope, Send
-from gridd.metrics_app import send_simple
+from gridd.http.asgi import ClientDisconnected, Receive, Scope, Send, send_simple
 
 __all__ = ["FrontLimits", "FrontMetrics", "make_front_app", "retry_after_seconds"]
 
@@ -627,7 +626,7 @@ def make_front_app(router: Router, transport: httpx.AsyncBaseTransport, registry
                    rng: random.Random, limits: FrontLimits = FrontLimits(),
                    ingress_transport: httpx.AsyncBaseTransport | None = None,
                    created_unix: int | None = None) -> FrontApp:
-    """The OpenAI front as an ASGI app (serve it with gridd.httpserver.serve_asgi).
+    """The OpenAI front as an ASGI app (serve it with gridd.http.serve.serve_asgi).
 
     router: routing decisions (the gateway store). transport: the pooled upstream transport
     for this site's providers, from forward.make_upstream_transport (the caller closes it).

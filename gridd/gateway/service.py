@@ -37,7 +37,7 @@ from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
 from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
 from gridd.wire import PROTOCOL_VERSION, Batches, Error, FeedbackAck, Poll, ServingConfig
 

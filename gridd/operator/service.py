@@ -32,7 +32,7 @@ from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass_s
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, StateError
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 from gridd.operator.exporter import ProbeCollector, ProviderCollector
 from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, make_client
 from gridd.operator.signals import (
