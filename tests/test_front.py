@@ -24,15 +24,13 @@ import trustme
 from prometheus_client import CollectorRegistry
 
 from gridd.core.decisions import PIN_HEADER, Forward, Shed, Unavailable, UnknownModel
-from gridd.gateway.forward import (
-    UpstreamBody,
-    make_upstream_transport,
-    open_upstream,
-    request_headers,
-    response_headers,
-    upstream_target,
-)
-from gridd.gateway.front import SSE_DONE, FrontLimits, make_front_app, retry_after_seconds
+from gridd.gateway.forwarding import SSE_DONE
+from gridd.gateway.front import make_front_app
+from gridd.gateway.front_errors import retry_after_seconds
+from gridd.gateway.front_limits import FrontLimits
+from gridd.gateway.upstream_body import UpstreamBody
+from gridd.gateway.upstream_request import open_upstream, request_headers, response_headers, upstream_target
+from gridd.gateway.upstream_transport import make_upstream_transport
 from gridd.http.serve import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from

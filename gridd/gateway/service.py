@@ -35,8 +35,12 @@ from gridd.core.store import GatewayStore, RoutingKnobs
 from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError, GriddError
-from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
+from gridd.gateway.upstream_transport import (
+    SwappableTransport,
+    close_expired_forever,
+    make_upstream_transport,
+)
 from gridd.http.serve import serve_asgi
 from gridd.tls import TLSMaterial, check_tls_material
 from gridd.wire import PROTOCOL_VERSION, Batches, Error, FeedbackAck, Poll, ServingConfig
