@@ -21,17 +21,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 from realproc import free_ports, gridctl_status, start_gridd, stop_all, wait_until
 
-from gridd.api.providers import (
-    MASK,
-    ProvidersAPI,
-    bearer_matches,
-    check_api_exposure,
-    delete_provider,
-    find_mask,
-    redact_provider,
-    secret_bindings,
-    upsert_provider,
-)
+from gridd.api.access import bearer_matches, check_api_exposure
+from gridd.api.config_edits import delete_provider, upsert_provider
+from gridd.api.providers import ProvidersAPI
+from gridd.api.redaction import MASK, find_mask, redact_provider
+from gridd.api.secret_origins import secret_bindings
 from gridd.config import load_config, parse_config
 from gridd.errors import ConfigError, StateError
 from gridd.operator.service import OperatorService

@@ -31,7 +31,6 @@ class UpstreamError(GriddError):
         self.status = status
 
 
-
 def failed_before_answer(exc: httpx.TransportError | httpx.InvalidURL, url: httpx.URL, *,
                          connected: bool) -> UpstreamError:
     """An attempt that got no response headers: ``connected`` is whether a connection was ready

@@ -251,7 +251,6 @@ def make_upstream_transport(*, verify: ssl.SSLContext | bool = True, max_idle: i
     return UpstreamTransport(ssl_context=context, max_idle=max_idle, keepalive_expiry_s=keepalive_expiry_s)
 
 
-
 class SwappableTransport(httpx.AsyncBaseTransport):
     """A transport whose inner transport a committed reload can replace (a rotated client
     certificate for other sites' ingress). Requests in flight finish on the transport they

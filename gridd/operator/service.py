@@ -21,7 +21,8 @@ import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gridd.api.providers import ProvidersAPI, check_api_exposure
+from gridd.api.access import check_api_exposure
+from gridd.api.providers import ProvidersAPI
 from gridd.channel import ExpectedPeer, open_signals_dialer, serve_signals
 from gridd.clock import wall_clock
 from gridd.config import Config, LoadedConfig, PeerConfig, ProviderConfig, credentials_for, http_limits
