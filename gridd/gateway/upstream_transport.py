@@ -32,11 +32,21 @@ __all__ = [
 
 # httpcore's exceptions as httpx's (the front, and any httpx transport, speak httpx's): the
 # same names in both libraries, most specific first.
-_HTTPX_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = tuple(
-    (getattr(httpcore, name), getattr(httpx, name)) for name in (
-        "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "TimeoutException",
-        "ConnectError", "ReadError", "WriteError", "NetworkError",
-        "RemoteProtocolError", "LocalProtocolError", "ProtocolError", "UnsupportedProtocol"))
+_HTTPX_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+)
 _HTTPCORE_ERRORS = tuple(core for core, _ in _HTTPX_ERRORS)
 
 
