@@ -929,6 +929,43 @@ async def test_upstream_pool_reuses_connections_and_closes_idle_ones_at_keepaliv
     assert transport.idle_count() == 0
 
 
+
+async def test_the_sweep_and_a_release_at_the_same_moment_share_the_idle_stack(nursery, mock_clock):
+    # The sweep closes expired connections while a response is released into the same origin's
+    # stack (which drops expired ones too): neither may trip over the other (the sweep used to
+    # iterate the stack across its awaits and died with "deque mutated during iteration",
+    # taking the gateway down in the certificate-rotation fault test).
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+    body = json.dumps({"model": MODEL, "messages": []}).encode()
+    try:
+        held = UpstreamBody(await open_upstream(transport, target, [(b"content-type", b"application/json")],
+                                                body, lambda: None), target)
+
+        async def discard(data: bytes, last: bool) -> None:
+            pass
+
+        await held.relay(discard)  # read whole; its connection goes back only when it is closed
+        async with trio.open_nursery() as batch:
+            for _ in range(2):
+                batch.start_soon(_exchange_once, transport, target)
+        assert (transport.opened, transport.idle_count()) == (3, 2)
+        mock_clock.jump(4.0)  # every connection is past its keep-alive
+        swept = []
+
+        async def sweep() -> None:
+            swept.append(await transport.close_expired())
+
+        async with trio.open_nursery() as both:
+            both.start_soon(sweep)
+            both.start_soon(held.aclose)
+        assert len(swept) == 1 and transport.idle_count() == 0
+        await _exchange_once(transport, target)  # nothing expired was kept: a new connection
+        assert (transport.opened, transport.idle_count()) == (4, 1)
+    finally:
+        await transport.aclose()
+
 async def test_upstream_pool_drops_a_connection_the_server_closed(nursery):
     # The server closes idle keep-alive connections after 0.2 s: the pool sees the socket read
     # as closed and opens a new one, without an error.

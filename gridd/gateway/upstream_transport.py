@@ -159,20 +159,20 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     async def close_expired(self) -> int:
         """Close every idle connection past its keep-alive; how many were closed."""
         now = trio.current_time()
-        closed = 0
-        for key, stack in self._idle.items():
+        expired: list[_Idle] = []
+        # Taken off their stacks first, with no await in between: a request or a release may
+        # use the same stacks (and add an origin) while the connections close below.
+        for stack in self._idle.values():
             # Mostly oldest first, but a response relayed slowly is released late with an
             # early expiry: look at each one.
             if any(idle.expires_at <= now for idle in stack):
-                kept: deque[_Idle] = deque()
-                for idle in stack:
-                    if idle.expires_at <= now:
-                        await idle.connection.aclose()
-                        closed += 1
-                    else:
-                        kept.append(idle)
-                self._idle[key] = kept
-        return closed
+                kept = [idle for idle in stack if idle.expires_at > now]
+                expired.extend(idle for idle in stack if idle.expires_at <= now)
+                stack.clear()
+                stack.extend(kept)
+        for idle in expired:
+            await idle.connection.aclose()
+        return len(expired)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._closed:
