@@ -92,7 +92,7 @@ async def bench_app(scope, receive, send):
 
 def run_child(backend: str, cpu: int | None) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from gridd.httpserver import serve_asgi
+    from gridd.http.serve import serve_asgi
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})

@@ -103,11 +103,16 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
     sys.path.insert(0, src)
     from prometheus_client import CollectorRegistry
 
-    from gridd.gateway.forward import make_upstream_transport
     from gridd.gateway.front import make_front_app
-    from gridd.httpserver import serve_asgi
     from gridd.sim import model as sim_model
     from gridd.sim.app import SimApp
+
+    try:
+        from gridd.gateway.upstream_transport import make_upstream_transport
+        from gridd.http.serve import serve_asgi
+    except ImportError:  # --src of a checkout from before the modules were split (issue 17)
+        from gridd.gateway.forward import make_upstream_transport
+        from gridd.httpserver import serve_asgi
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})

@@ -24,7 +24,7 @@ from gridd import __version__
 from gridd.config import LoadedConfig, default_control_socket, load_config
 from gridd.control import serve_control
 from gridd.errors import GriddError
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 from gridd.link.periodic import run_periodic
 from gridd.metrics_app import make_metrics_app
 from gridd.notify import Notifier

@@ -5,16 +5,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-
-async def send_simple(send, status: int, body: bytes, content_type: bytes = b"text/plain; charset=utf-8",
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
-    await send({"type": "http.response.body", "body": body})
+from gridd.http.asgi import ASGIApp, Receive, Scope, Send, send_simple
 
 
-def make_metrics_app(registry: CollectorRegistry):
-    async def app(scope, receive, send):
+def make_metrics_app(registry: CollectorRegistry) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path = scope["path"]

@@ -14,7 +14,7 @@ from gridd.config import LoadedConfig
 from gridd.config_schema import Config
 from gridd.errors import ConfigError
 from gridd.gateway.service import check_gateway_config, load_gateway_tls
-from gridd.httpserver import parse_bind
+from gridd.http.listeners import parse_bind
 from gridd.operator.channel_setup import load_operator_tls
 from gridd.operator.service import check_operator_config
 from gridd.tls import TLSMaterialError

@@ -148,8 +148,9 @@ STATUS_STATES = (
     ("Explain capacity bounds", set(CAPACITY_BOUNDS)),
     ("Explain outcomes", set(OUTCOMES)),
     ("Status states", STATUS_STATES),
-    ("Front answers", _found("gateway/front.py", r'metrics\.request\([^)]*"(\w+)"\)|exchange\.outcome = "(\w+)"')
-     | _found("gateway/front.py", r'exchange\.outcome = "\w+" if [^\n]* else "(\w+)"')),
+    ("Front answers", _found("gateway/front.py", r'metrics\.request\([^)]*"(\w+)"\)')
+     | _found("gateway/forwarding.py", r'exchange\.outcome = "(\w+)"')
+     | _found("gateway/forwarding.py", r'exchange\.outcome = "\w+" if [^\n]* else "(\w+)"')),
     ("Certificate problems (`gridd check-config`, start, reload)", set(TLS_FIXES)),
 ])
 def test_troubleshooting_md_explains_every_value(section, values):

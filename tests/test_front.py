@@ -24,17 +24,15 @@ import trustme
 from prometheus_client import CollectorRegistry
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
-from gridd.gateway.forward import (
-    UpstreamBody,
-    make_upstream_transport,
-    open_upstream,
-    request_headers,
-    response_headers,
-    upstream_target,
-)
-from gridd.gateway.front import SSE_DONE, FrontLimits, make_front_app, retry_after_seconds
+from gridd.gateway.forwarding import SSE_DONE
+from gridd.gateway.front import make_front_app
+from gridd.gateway.front_errors import retry_after_seconds
+from gridd.gateway.front_limits import FrontLimits
 from gridd.gateway.pin import PIN_HEADER
-from gridd.httpserver import serve_asgi
+from gridd.gateway.upstream_body import UpstreamBody
+from gridd.gateway.upstream_request import open_upstream, request_headers, response_headers, upstream_target
+from gridd.gateway.upstream_transport import make_upstream_transport
+from gridd.http.serve import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from
 from gridd.wire import LocalProvider
@@ -88,7 +86,8 @@ def always(decision):
 
 
 def local(site: str, provider: str, url: str, **provider_fields) -> Forward:
-    return Forward(site, provider, MODEL, local=LocalProvider(provider, MODEL, url + "/v1", **provider_fields))
+    config = LocalProvider(provider, MODEL, url + "/v1", **provider_fields)
+    return Forward(site, provider, MODEL, local=config)
 
 
 def remote(site: str, provider: str, ingress: str) -> Forward:
@@ -298,7 +297,8 @@ def test_request_headers_drop_hop_by_hop_credentials_and_pins():
 def test_response_headers_drop_hop_by_hop_and_read_the_length():
     upstream = [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked"),
                 (b"Connection", b"keep-alive"), (b"Retry-After", b"3")]
-    assert response_headers(upstream) == ([(b"content-type", b"text/event-stream"), (b"retry-after", b"3")], -1)
+    relayed = [(b"content-type", b"text/event-stream"), (b"retry-after", b"3")]
+    assert response_headers(upstream) == (relayed, -1)
     assert response_headers([(b"content-length", b"42")]) == ([(b"content-length", b"42")], 42)
     assert response_headers([(b"content-length", b"x")]) == ([(b"content-length", b"x")], -1)
 
@@ -405,7 +405,8 @@ async def test_headers_reaching_providers_and_remote_sites(nursery):
     front = await start_front(nursery, FakeRouter("a", lambda model, pinned, exclude: route["to"]))
     async with httpx.AsyncClient() as client:
         headers = {"authorization": "Bearer client-key", "x-request-id": "r1", "cookie": "s=1",
-                   "x-llm-d-inference-fairness-id": "tenant-1", "connection": "keep-alive, x-hop", "x-hop": "1"}
+                   "x-llm-d-inference-fairness-id": "tenant-1", "connection": "keep-alive, x-hop",
+                   "x-hop": "1"}
         r = await client.post(f"{front.url}/v1/chat/completions?trace=1", json={"model": MODEL},
                               headers=headers)
         assert r.status_code == 200 and r.json() == {"ok": True}
@@ -489,7 +490,8 @@ async def test_without_routing_data_the_wait_is_bounded_then_503_names_the_cause
 
 
 async def test_every_site_over_the_strategys_bounds_is_a_503_that_says_so(nursery):
-    front = await start_front(nursery, FakeRouter("a", always(Unavailable(retry_after_s=5.0, cause="strategy"))))
+    router = FakeRouter("a", always(Unavailable(retry_after_s=5.0, cause="strategy")))
+    front = await start_front(nursery, router)
     exc = await trio.to_thread.run_sync(expect_error, front, openai.APIStatusError)
     assert exc.status_code == 503 and exc.response.json()["error"] == {
         "message": f"every site serving {MODEL!r} is over a bound of its routing strategy; retry later",
@@ -505,7 +507,8 @@ async def test_unknown_model_is_404_and_counted_as_other(nursery):
     assert "retry-after" not in exc.response.headers
     await front.counted(1)
     assert front.requests("unknown_model", model="other", site="none") == 1
-    assert front.sample("gridd_gateway_requests_total", model="nope", site="none", outcome="unknown_model") == 0
+    assert front.sample("gridd_gateway_requests_total", model="nope", site="none",
+                        outcome="unknown_model") == 0
 
 
 async def test_models_health_readiness_metrics_and_routes(nursery):
@@ -526,7 +529,8 @@ async def test_models_health_readiness_metrics_and_routes(nursery):
         assert (await client.get("/healthz")).status_code == 200
         await client.post("/v1/chat/completions", json={"model": MODEL})
         metrics = await client.get("/metrics")
-        assert 'gridd_gateway_requests_total{model="sim-model",outcome="shed",site="none"} 1.0' in metrics.text
+        series = 'gridd_gateway_requests_total{model="sim-model",outcome="shed",site="none"} 1.0'
+        assert series in metrics.text
         missing = await client.get("/v1/nothing")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
         wrong = await client.get("/v1/chat/completions")
@@ -926,6 +930,43 @@ async def test_upstream_pool_reuses_connections_and_closes_idle_ones_at_keepaliv
     assert transport.idle_count() == 0
 
 
+
+async def test_the_sweep_and_a_release_at_the_same_moment_share_the_idle_stack(nursery, mock_clock):
+    # The sweep closes expired connections while a response is released into the same origin's
+    # stack (which drops expired ones too): neither may trip over the other (the sweep used to
+    # iterate the stack across its awaits and died with "deque mutated during iteration",
+    # taking the gateway down in the certificate-rotation fault test).
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+    body = json.dumps({"model": MODEL, "messages": []}).encode()
+    try:
+        held = UpstreamBody(await open_upstream(transport, target, [(b"content-type", b"application/json")],
+                                                body, lambda: None), target)
+
+        async def discard(data: bytes, last: bool) -> None:
+            pass
+
+        await held.relay(discard)  # read whole; its connection goes back only when it is closed
+        async with trio.open_nursery() as batch:
+            for _ in range(2):
+                batch.start_soon(_exchange_once, transport, target)
+        assert (transport.opened, transport.idle_count()) == (3, 2)
+        mock_clock.jump(4.0)  # every connection is past its keep-alive
+        swept = []
+
+        async def sweep() -> None:
+            swept.append(await transport.close_expired())
+
+        async with trio.open_nursery() as both:
+            both.start_soon(sweep)
+            both.start_soon(held.aclose)
+        assert len(swept) == 1 and transport.idle_count() == 0
+        await _exchange_once(transport, target)  # nothing expired was kept: a new connection
+        assert (transport.opened, transport.idle_count()) == (4, 1)
+    finally:
+        await transport.aclose()
+
 async def test_upstream_pool_drops_a_connection_the_server_closed(nursery):
     # The server closes idle keep-alive connections after 0.2 s: the pool sees the socket read
     # as closed and opens a new one, without an error.
@@ -984,7 +1025,8 @@ async def test_events_that_arrive_together_are_relayed_in_one_send(nursery):
         async with stream:
             await stream.send_all(client.send(h11.Request(
                 method="POST", target="/v1/chat/completions",
-                headers=[("host", "t"), ("content-type", "application/json"), ("content-length", str(len(body)))]))
+                headers=[("host", "t"), ("content-type", "application/json"),
+                         ("content-length", str(len(body)))]))
                 + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage()))
             chunks = []
             while True:

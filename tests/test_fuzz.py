@@ -35,7 +35,7 @@ from gridd.core.admission import AdmissionFences, Outcome
 from gridd.core.exposition import parse_exposition
 from gridd.errors import ConfigError
 from gridd.gateway.front import make_front_app
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("GRIDD_FUZZ_EXAMPLES", "150"))

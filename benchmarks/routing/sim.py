@@ -43,7 +43,7 @@ from gridd.core.publication import ProviderPublisher
 from gridd.core.store import GatewayStore
 from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
 
-FIRST_DATA_WAIT_S = 2.0  # gridd.gateway.front.FrontLimits.first_data_wait_s
+FIRST_DATA_WAIT_S = 2.0  # gridd.gateway.front_limits.FrontLimits.first_data_wait_s
 MODEL = "sim-model"
 PROVIDER = "pool"
 WALL_EPOCH = 1_900_000_000.0  # the simulated wall clock starts here (monotonic 0)

@@ -35,9 +35,14 @@ from gridd.core.store import GatewayStore
 from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError
-from gridd.gateway.forward import SwappableTransport, close_expired_forever, make_upstream_transport
 from gridd.gateway.front import make_front_app
-from gridd.httpserver import ASGIApp, serve_asgi
+from gridd.gateway.upstream_transport import (
+    SwappableTransport,
+    close_expired_forever,
+    make_upstream_transport,
+)
+from gridd.http.asgi import ASGIApp
+from gridd.http.serve import serve_asgi
 from gridd.link.dial import ExpectedPeer, open_channel_dialer, parse_channel_url
 from gridd.link.poller import LinkLines, PollAnswer, Poller, PollLink
 from gridd.link.session import ChannelError

@@ -21,7 +21,8 @@ import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from gridd.api.providers import ProvidersAPI, check_api_exposure
+from gridd.api.access import check_api_exposure
+from gridd.api.providers import ProvidersAPI
 from gridd.clock import wall_clock
 from gridd.config import LoadedConfig, http_limits
 from gridd.config_schema import Config, PeerConfig, ProviderConfig
@@ -33,7 +34,7 @@ from gridd.core.readiness import Verdict, effective_stale_after_s, measured_pass
 from gridd.core.transitions import TransitionLog
 from gridd.credentials import credentials_for
 from gridd.errors import StateError
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 from gridd.link.dial import ExpectedPeer, open_channel_dialer
 from gridd.link.poller import PollLink
 from gridd.link.serve import serve_channel

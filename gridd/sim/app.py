@@ -29,7 +29,8 @@ from typing import Any
 import msgspec
 import trio
 
-from gridd.httpserver import Receive, Send, answer_lifespan, serve_asgi
+from gridd.http.asgi import Receive, Send, answer_lifespan
+from gridd.http.serve import serve_asgi
 from gridd.sim import model as m
 from gridd.sim.metrics import CONTENT_TYPE, PoolStats, render_metrics
 

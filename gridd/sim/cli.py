@@ -12,7 +12,7 @@ import sys
 
 import trio
 
-from gridd.httpserver import serve_asgi
+from gridd.http.serve import serve_asgi
 from gridd.sim.app import SimApp
 from gridd.sim.model import SimKnobs, knobs_from
 

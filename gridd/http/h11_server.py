@@ -1,0 +1,355 @@
+"""The h11 backend (the default): a small HTTP/1.1 server on h11 + trio.
+
+One accept task per listener takes connections in batches; one trio task per connection
+runs its request/response cycles, and the app runs inside that task (h11_request), so a
+request costs no extra task or queue. It was chosen by measurement (docs/http-serving.md,
+benchmarks/http_server.py). Drain: when ``stop_accepting`` is set the listeners close,
+in-flight requests finish, idle keep-alive connections close, and serve_h11 returns once no
+connection is left.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from urllib.parse import unquote
+
+import h11
+import trio
+
+from gridd.http.asgi import ASGIApp, only_disconnects, reason_phrase
+from gridd.http.h11_request import RequestCycle, ServerState
+from gridd.http.limits import ServerLimits, declared_length, has_both_framings, head_size
+from gridd.http.listeners import Listener, close_listeners, open_listeners
+
+__all__ = ["H11Connection", "serve_h11"]
+
+logger = logging.getLogger("gridd.http")
+
+# After an error response sent while the client may still be uploading (413, 400, an app that
+# answered without reading the body), the server half-closes and discards what still arrives for
+# at most this long / this many bytes, so the client reads the response instead of a reset.
+_LINGER_S = 2.0
+_LINGER_MAX_BYTES = 32 * 1024 * 1024
+_READ_BYTES = 64 * 1024
+# accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_RETRY_S = 0.1
+# accept() errors about one queued connection only (it was reset before we took it): skip it.
+_ACCEPT_GONE_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
+# Most connections taken from the listen queue per wake-up of the accept loop.
+_ACCEPT_BATCH = 256
+# A refused connection gets this long to take its 503 before it is closed.
+_REFUSE_SEND_S = 1.0
+_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                  b"content-length: 24\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+                  b"503 Service Unavailable\n")
+
+
+class H11Connection:
+    """One client connection: a loop of request/response cycles on one h11.Connection."""
+
+    __slots__ = ("stream", "app", "limits", "state", "conn", "client", "server", "listener", "evicted")
+
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        app: ASGIApp,
+        limits: ServerLimits,
+        state: ServerState,
+        listener: Listener,
+    ) -> None:
+        self.stream = stream
+        self.app = app
+        self.limits = limits
+        self.state = state
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.server = listener.server
+        self.listener = listener
+        self.evicted = False
+        self.client: tuple[str, int] | None = None
+        if stream.socket.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                peer = stream.socket.getpeername()
+                self.client = (peer[0], peer[1])
+            except OSError:
+                self.client = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                request = await self._next_request()
+                if request is None:
+                    return
+                outcome = await self._cycle(request)
+                if outcome == "linger":
+                    await self._linger()
+                    return
+                if outcome == "close":
+                    return
+                self.conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            logger.exception("HTTP connection handler failed")
+        finally:
+            self.listener.waiting.pop(self, None)
+            self.listener.open -= 1
+            await self.stream.aclose()
+
+    async def receive_bytes(self) -> bytes:
+        """b"" on EOF, reset or a locally closed stream."""
+        try:
+            return await self.stream.receive_some(_READ_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
+    async def _next_request(self) -> h11.Request | None:
+        # The keep-alive bound covers the whole wait for a complete request head, which also
+        # bounds a client trickling a head byte by byte.
+        conn = self.conn
+        with trio.move_on_after(self.limits.keep_alive_s) as scope:
+            self.state.idle_scopes.add(scope)
+            self.listener.waiting[self] = scope
+            try:
+                if self.state.draining or self.evicted:
+                    return None
+                while True:
+                    try:
+                        event = conn.next_event()
+                    except h11.RemoteProtocolError as exc:
+                        await self._send_error(exc.error_status_hint, head_only=False)
+                        await self._linger()
+                        return None
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(await self.receive_bytes())
+                        continue
+                    if type(event) is h11.Request:
+                        return event
+                    return None  # ConnectionClosed
+            finally:
+                self.state.idle_scopes.discard(scope)
+                self.listener.waiting.pop(self, None)
+        return None
+
+    async def _cycle(self, request: h11.Request) -> str:
+        """Run the app for one request; "keep", "close" or "linger" (close after draining input)."""
+        headers = list(request.headers)
+        if head_size(request.method, request.target, headers) > self.limits.max_header_bytes:
+            await self._send_error(431, head_only=request.method == b"HEAD")
+            return "linger"
+        if has_both_framings(headers):
+            await self._send_error(400, head_only=request.method == b"HEAD")
+            return "close"
+        declared = declared_length(headers)
+        if declared is not None and declared > self.limits.max_body_bytes:
+            await self._send_error(413, head_only=request.method == b"HEAD")
+            return "linger"
+
+        raw_path, _, query = request.target.partition(b"?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": request.http_version.decode("ascii"),
+            "method": request.method.decode("ascii"),
+            "scheme": "http",
+            "path": unquote(raw_path.decode("ascii")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self.client,
+            "server": self.server,
+        }
+        cycle = RequestCycle(self, request.method == b"HEAD")
+        try:
+            try:
+                await self.app(scope, cycle.receive, cycle.send)
+            finally:
+                cycle.release_buffered()
+        except Exception as exc:
+            if not (cycle.disconnected and only_disconnects(exc)):
+                logger.exception("ASGI app raised on %s %s", scope["method"], scope["path"])
+            return await self._after_failed_cycle(cycle, 500)
+
+        if cycle.disconnected or self.evicted:
+            return "close"
+        if cycle.over_limit:
+            return await self._after_failed_cycle(cycle, 413)
+        if cycle.over_budget:
+            return await self._after_failed_cycle(cycle, 503)
+        if cycle.body_timed_out:
+            return await self._after_failed_cycle(cycle, 408)
+        if cycle.pipeline_overflow:
+            return "close"  # the pipelined requests it sent were discarded: close, never serve half
+        if not cycle.complete:
+            logger.error(
+                "ASGI app returned without completing the response to %s %s", scope["method"], scope["path"]
+            )
+            return await self._after_failed_cycle(cycle, 500)
+
+        conn = self.conn
+        if conn.our_state is not h11.DONE or self.state.draining:
+            return "close"
+        if conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
+            return "linger"
+        return "keep"
+
+    async def _after_failed_cycle(self, cycle: RequestCycle, status: int) -> str:
+        if cycle.disconnected or cycle.head_sent or self.conn.our_state is not h11.SEND_RESPONSE:
+            # Mid-response: the client sees a truncated body and a closed connection.
+            return "close"
+        await self._send_error(status, head_only=cycle.is_head)
+        return "linger" if self.conn.their_state is not h11.DONE else "close"
+
+    def _finish_body_from_buffer(self) -> bool:
+        """The app answered without reading all of the body: consume what is already buffered."""
+        conn = self.conn
+        while conn.their_state is h11.SEND_BODY:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return False
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return False
+        return conn.their_state is h11.DONE
+
+    async def _send_error(self, status: int, *, head_only: bool) -> None:
+        """A plain-text error response that closes the connection."""
+        conn = self.conn
+        body = f"{status} {reason_phrase(status)}\n".encode("ascii")
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode("ascii")),
+            (b"connection", b"close"),
+            (b"date", self.state.date_header()),
+        ]
+        try:
+            out = conn.send(
+                h11.Response(status_code=status, headers=headers, reason=reason_phrase(status).encode())
+            )
+            if not head_only:
+                out += conn.send(h11.Data(data=body))
+            out += conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            return
+        try:
+            await self.stream.send_all(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _linger(self) -> None:
+        """Half-close, then discard input for a bounded time so the client can read our answer."""
+        try:
+            await self.stream.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+        discarded = 0
+        with trio.move_on_after(_LINGER_S):
+            while discarded < _LINGER_MAX_BYTES:
+                data = await self.receive_bytes()
+                if not data:
+                    return
+                discarded += len(data)
+
+
+async def _accept_loop(
+    entry: Listener,
+    app: ASGIApp,
+    limits: ServerLimits,
+    state: ServerState,
+    connections: trio.Nursery,
+) -> None:
+    # Every connection waiting in the listen queue is taken at each wake-up (up to
+    # _ACCEPT_BATCH, and below the connection cap). One accept per scheduler pass, as trio's
+    # SocketListener does, admits one connection per pass over every busy task, which under
+    # a thousand streams left clients queued for tens of seconds (docs/http-serving.md,
+    # "Accepting").
+    sock = entry.sock
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                accepted, _ = sock.accept()
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno in _ACCEPT_GONE_ERRNOS:
+                    continue  # the client gave up while queued
+                if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                name = errno.errorcode.get(exc.errno, exc.errno)
+                entry.note_refusal(f"accept() {name}", trio.current_time())
+                await trio.sleep(_ACCEPT_RETRY_S)
+                break
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
+            # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
+            # that has waited longest on its client; if every one is busy in the app, refuse.
+            at_cap = entry.open >= limits.max_connections
+            admit = not at_cap or entry.evict_oldest_waiting()
+            if not admit:
+                # Connections admitted in this batch have not run yet, so they wait on nothing
+                # yet: let them reach their first wait (where they can be evicted) first.
+                await _after_next_pass()
+                admit = entry.evict_oldest_waiting()
+            if admit:
+                entry.open += 1
+                connections.start_soon(H11Connection(stream, app, limits, state, entry).run)
+            else:
+                entry.note_refusal("over the connection cap", trio.current_time())
+                connections.start_soon(_refuse_busy, stream)
+            if at_cap:
+                # The evicted or refused connection closes in its task's next step, in the
+                # next scheduler pass: take the next connection only after that pass, so
+                # descriptors stay at the cap.
+                await _after_next_pass()
+                break
+
+
+async def _after_next_pass() -> None:
+    """Return once every task made runnable before this call has run a step: tasks woken in
+    this pass run in the next one, in any order, so two checkpoints land after it."""
+    await trio.lowlevel.checkpoint()
+    await trio.lowlevel.checkpoint()
+
+
+async def _refuse_busy(stream: trio.SocketStream) -> None:
+    """A clear 503 (the connection cap is reached), then close; bounded in time."""
+    with trio.move_on_after(_REFUSE_SEND_S):
+        try:
+            await stream.send_all(_BUSY_RESPONSE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await trio.aclose_forcefully(stream)
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def serve_h11(
+    app: ASGIApp,
+    binds: list[str],
+    *,
+    stop_accepting: trio.Event | None,
+    limits: ServerLimits,
+    reuse_port: bool,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    listeners = await open_listeners(binds, reuse_port)
+    state = ServerState()
+    try:
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as acceptors:
+                for entry in listeners:
+                    acceptors.start_soon(_accept_loop, entry, app, limits, state, connections)
+                if stop_accepting is not None:
+                    acceptors.start_soon(_cancel_when_set, stop_accepting, acceptors.cancel_scope)
+                task_status.started([entry.url for entry in listeners])
+            # Drain: refuse new connections, close idle ones, let in-flight requests finish.
+            await close_listeners(listeners)
+            state.start_drain()
+    finally:
+        await close_listeners(listeners)
