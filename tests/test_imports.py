@@ -202,3 +202,53 @@ def test_a_function_local_import_closing_a_circle_is_found():
     graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
     assert [c for c in strongly_connected(graph) if len(c) > 1] == [["a", "b", "c"]]
     assert a_cycle(["a", "b", "c"], graph) == ["a", "b", "c", "a"]
+
+
+# The layers of docs/layout.md, lowest first. A module may import its own layer or a lower one.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("gridd.core", "gridd.errors")),
+    ("wire", ("gridd.wire",)),
+    ("transports and shells", (
+        "gridd.link", "gridd.http", "gridd.tls", "gridd.certs", "gridd.state", "gridd.config",
+        "gridd.config_schema", "gridd.config_rules", "gridd.credentials", "gridd.reload_plan",
+        "gridd.clock", "gridd.log", "gridd.notify", "gridd.control", "gridd.metrics_app")),
+    ("roles", ("gridd.operator", "gridd.gateway", "gridd.api", "gridd.probes", "gridd.sim",
+               "gridd.roles")),
+    ("entry points", ("gridd",)),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the most specific prefix naming ``module``."""
+    best, best_length = len(LAYERS) - 1, 0
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = index, len(prefix)
+    return best
+
+
+def test_imports_only_point_down_the_layers_of_docs_layout():
+    found = [f"{PATHS[name].relative_to(ROOT)}:{imp.line} ({LAYERS[layer_of(name)][0]}) imports "
+             f"{imp.target} ({LAYERS[layer_of(imp.target)][0]})"
+             for name in GRAPH if name != "gridd"
+             for imp in gridd_edges(name)
+             if imp.target != "gridd" and layer_of(imp.target) > layer_of(name)]
+    assert not found, "\n".join(found)
+
+
+def test_the_layer_table_places_modules_as_docs_layout_says():
+    assert LAYERS[layer_of("gridd.core.store")][0] == "core"
+    assert LAYERS[layer_of("gridd.link.poller")][0] == "transports and shells"
+    assert LAYERS[layer_of("gridd.config_schema")][0] == "transports and shells"
+    assert LAYERS[layer_of("gridd.gateway.front")][0] == "roles"
+    assert LAYERS[layer_of("gridd.daemon")][0] == "entry points"
+
+
+MODULE_LINES_MAX = 600
+
+
+def test_no_module_under_gridd_exceeds_600_lines():
+    long = {f"{path.relative_to(ROOT)}: {n}" for path in PATHS.values()
+            if (n := len(path.read_text().splitlines())) > MODULE_LINES_MAX}
+    assert not long, sorted(long)
