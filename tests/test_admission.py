@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 import pytest
+import support
 
 from gridd.core.admission import (
     ACCEPTED,
@@ -19,7 +21,7 @@ from gridd.core.admission import (
     Outcome,
     validate_payload,
 )
-from gridd.core.readings import LatencyBlock, LoadSignals, Revision, UnitLoad
+from gridd.core.readings import LatencyBlock, LoadSignals, UnitLoad
 from gridd.core.signals import sample_count
 from gridd.wire import WIRE_INT_MAX, Batch, Cursor, SkewEvidence, with_added_age
 
@@ -38,37 +40,16 @@ LOAD = LoadSignals(
 )
 
 
-def batch(
-    epoch: int | None = E,
-    seq: int = 1,
-    *,
-    site: str = "b",
-    provider: str = "m",
-    complete: bool = True,
-    load: LoadSignals | None = LOAD,
-    samples: int | None = None,
-    published_ms: int | None = None,
-    age_s: float = 0.0,
-    ready: bool | None = True,
-    probes: dict[str, float] | None = None,
-) -> Batch:
-    if samples is None:
-        samples = sample_count(load) if load is not None else 0
-    revision = None if epoch is None else Revision("u1", 7, epoch, seq, samples)
-    return Batch(
-        site=site,
-        provider=provider,
-        model="Qwen/Qwen3.5-9B",
-        published_ms=int(NOW * 1000) - 10_000 + seq if published_ms is None else published_ms,
-        age_s=age_s,
-        revision=revision,
-        complete=complete,
-        ready=ready,
-        ready_reason="Ready",
-        load=load,
-        latency=LatencyBlock(30.0, 25, 0.1, 0.2, 0.01, 0.0),
-        probes={"performance.num_requests_waiting": 1.0} if probes is None else probes,
-    )
+# Every batch here is a complete reading of LOAD with a latency block and one probe value
+# unless a test says otherwise.
+batch = partial(
+    support.batch,
+    model="Qwen/Qwen3.5-9B",
+    ready_reason="Ready",
+    load=LOAD,
+    latency=LatencyBlock(30.0, 25, 0.1, 0.2, 0.01, 0.0),
+    probes={"performance.num_requests_waiting": 1.0},
+)
 
 
 def dropped(reason: str) -> str:
