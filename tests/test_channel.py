@@ -6,23 +6,18 @@ sockets stay out of autojump tests); every wait is bounded by fail_after.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import random
 import ssl
 import time
 from functools import partial
-from pathlib import Path
 
 import pytest
 import trio
 import trio_websocket
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import CollectorRegistry
+from support import Issuer
 
-from gridd import certs
 from gridd.channel import (
     WS_MAX_MESSAGE_BYTES,
     Backoff,
@@ -39,7 +34,7 @@ from gridd.config import parse_config
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
 from gridd.operator.signals import SignalsEndpoint, SignalsMetrics, serving_config_for
-from gridd.tls import PeerIdentity, client_context, server_context
+from gridd.tls import PeerIdentity, client_context
 from gridd.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -90,58 +85,14 @@ peers:
 """
 
 
-class Issuer:
-    """A grid CA writing leaf certificates and contexts into a directory."""
-
-    def __init__(self, directory: Path, trust_domain: str = TD) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.dir = directory
-        self.ca_cert, self.ca_key = certs.create_ca(trust_domain, now=time.time(), days=2)
-        self.ca_file = str(directory / "ca.pem")
-        Path(self.ca_file).write_bytes(certs.certificate_pem(self.ca_cert))
-
-    def _write(self, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[str, str]:
-        cert_file, key_file = self.dir / f"{stem}.pem", self.dir / f"{stem}-key.pem"
-        cert_file.write_bytes(certs.certificate_pem(cert))
-        key_file.write_bytes(certs.private_key_pem(key))
-        return str(cert_file), str(key_file)
-
-    def issue(self, identity: PeerIdentity) -> tuple[str, str]:
-        cert, key = certs.issue_certificate(self.ca_cert, self.ca_key, identity, now=time.time(), days=1)
-        return self._write(f"{identity.site}-{identity.role}-{identity.replica or 'x'}", cert, key)
-
-    def issue_without_identity(self) -> tuple[str, str]:
-        """A leaf the CA signed that names no spiffe identity (DNS name only)."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "anonymous")]))
-            .issuer_name(self.ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-            .sign(self.ca_key, hashes.SHA256())
-        )
-        return self._write("anonymous", cert, key)
-
-    def server(self, identity: PeerIdentity = OPERATOR_A) -> ssl.SSLContext:
-        return server_context(*self.issue(identity), self.ca_file)
-
-    def client(self, identity: PeerIdentity) -> ssl.SSLContext:
-        return client_context(*self.issue(identity), self.ca_file)
-
-
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> Issuer:
-    return Issuer(tmp_path_factory.mktemp("grid"))
+    return Issuer.gridd(tmp_path_factory.mktemp("grid"))
 
 
 @pytest.fixture(scope="module")
 def other_ca(tmp_path_factory) -> Issuer:
-    return Issuer(tmp_path_factory.mktemp("other"))
+    return Issuer.gridd(tmp_path_factory.mktemp("other"))
 
 
 def held_batch(site: str, provider: str, seq: int = 1, *, probes: int = 1) -> Batch:

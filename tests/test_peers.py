@@ -9,7 +9,6 @@ timing assertions).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -20,8 +19,8 @@ import support
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
+from support import write_certs
 
-from gridd import certs
 from gridd.channel import ChannelError
 from gridd.config import LimitsConfig, PeerConfig, TimingConfig, load_config
 from gridd.core.admission import AdmissionFences
@@ -332,18 +331,6 @@ peers:
 {peers}
 timings: {{peer_poll_interval_s: 5, peer_poll_budget_s: 10}}
 """
-
-
-def write_certs(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = certs.create_ca(TD, now=time.time(), days=2)
-    (directory / "ca.pem").write_bytes(certs.certificate_pem(ca_cert))
-    for name, identity in (("a-operator", PeerIdentity(TD, "a", "operator")),
-                           ("a-operator-2", PeerIdentity(TD, "a", "operator")),
-                           ("b-operator", PeerIdentity(TD, "b", "operator"))):
-        cert, key = certs.issue_certificate(ca_cert, ca_key, identity, now=time.time(), days=1)
-        (directory / f"{name}.pem").write_bytes(certs.certificate_pem(cert))
-        (directory / f"{name}-key.pem").write_bytes(certs.private_key_pem(key))
 
 
 def operator_config(tmp_path: Path, *, cert: str = "a-operator", key: str | None = None,
