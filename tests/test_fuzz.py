@@ -26,8 +26,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
-from test_front import MODEL, FakeRouter, always, local
-from test_providers_api import WRITE_TOKEN, Rig
+from support import FRONT_MODEL, WRITE_TOKEN, FakeRouter, ProvidersRig, always, local
 
 from gridd import wire
 from gridd.config import parse_config
@@ -192,7 +191,7 @@ _provider_body = st.fixed_dictionaries({}, optional={
        st.sampled_from(["application/json", "text/plain", "", "application/json; charset=utf-8"]))
 async def test_fuzz_providers_api_payloads(method, path, body, content_type):
     with tempfile.TemporaryDirectory() as tmp:
-        rig = Rig(pathlib.Path(tmp))
+        rig = ProvidersRig(pathlib.Path(tmp))
         headers = {"authorization": f"Bearer {WRITE_TOKEN}"}
         if content_type:
             headers["content-type"] = content_type
@@ -215,7 +214,7 @@ def _upstream(request: httpx.Request) -> httpx.Response:
 
 _front_body = st.one_of(
     st.binary(max_size=300),
-    st.fixed_dictionaries({}, optional={"model": st.one_of(st.just(MODEL), st.text(max_size=10), _tree),
+    st.fixed_dictionaries({}, optional={"model": st.one_of(st.just(FRONT_MODEL), st.text(max_size=10), _tree),
                                         "messages": _tree, "stream": _tree}).map(lambda d: json.dumps(d, default=repr).encode()),
     _tree.map(lambda t: json.dumps(t, default=repr).encode()))
 _header_name = st.sampled_from(["content-type", "x-gridd-site", "transfer-encoding", "connection", "authorization",
