@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import support
 
+from gridd.core import admission
 from gridd.core.admission import (
     ACCEPTED,
     DROP_REASONS,
@@ -23,7 +24,7 @@ from gridd.core.admission import (
 )
 from gridd.core.readings import LatencyBlock, LoadSignals, UnitLoad
 from gridd.core.signals import sample_count
-from gridd.wire import WIRE_INT_MAX, Batch, Cursor, SkewEvidence, with_added_age
+from gridd.wire import Batch, Cursor, SkewEvidence, with_added_age
 
 NOW = 1_790_000_000.0  # the receiver's wall clock, seconds
 E = 1_789_990_000  # a publisher epoch taken at operator start, before NOW
@@ -303,13 +304,15 @@ def test_skew_evidence_is_bounded_and_deduplicated():
     assert fences.drops()["skew"] == SKEW_EVIDENCE_MAX + 7
 
 
-def test_drop_counters_latch_instead_of_wrapping():
+def test_drop_counters_latch_instead_of_wrapping(monkeypatch):
+    # The counters latch at the wire's integer maximum (2**53 - 1), lowered here to 2 so
+    # that three drops pass it.
+    monkeypatch.setattr(admission, "WIRE_INT_MAX", 2)
     fences = AdmissionFences()
-    fences._drops["stale_order"] = WIRE_INT_MAX - 1
     fences.admit(batch(E, 2), now_wall=NOW, verified_site=None)
     for _ in range(3):
         fences.admit(batch(E, 1), now_wall=NOW, verified_site=None)
-    assert fences.drops()["stale_order"] == WIRE_INT_MAX
+    assert fences.drops()["stale_order"] == 2
 
 
 def test_decode_errors_are_counted():

@@ -457,10 +457,19 @@ async def test_admin_token(tmp_path):
     assert (await rig.client.get("/v1/providers")).status_code == 200
 
 
-async def test_operator_stage_guards_the_api(tmp_path):
+async def test_operator_stage_guards_the_api(tmp_path, monkeypatch):
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)  # the operator's API reads the process environment
     (tmp_path / "operator.yaml").write_text(CONFIG.format(api=""))
     operator = OperatorService(load_config(tmp_path / "operator.yaml", env=ENV), CollectorRegistry())
-    assert (await operator._reload_for_api())["result"] == "error"  # no daemon attached
+    # A write applies through the daemon's reload: with no daemon attached it is rejected.
+    operator.api_token = WRITE_TOKEN
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=operator.api), base_url="http://127.0.0.1",
+                                 headers={"authorization": f"Bearer {WRITE_TOKEN}"}) as client:
+        resp = await client.post("/v1/providers/local", json=EXAMPLE_2)
+    assert resp.status_code == 409, resp.text
+    assert error_of(resp)["message"].endswith("no daemon is attached to reload this operator")
+    assert (tmp_path / "operator.yaml").read_text() == CONFIG.format(api="")  # restored
     for old, new, message in (
         ("127.0.0.1:0", "127.0.0.1:1", "listen.http: changed; restart gridd to apply"),
         ("127.0.0.1:0", "0.0.0.0:0", "api.admin_token: required when the providers API listens"),
