@@ -35,7 +35,6 @@ import pathlib
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import httpx
 import trio
 import trio.lowlevel
 
+from gridd.childprocs import free_ports, stop_processes
+
 MODEL = "abuse-model"
 RUN_CAP_S = 240.0  # the whole benchmark, start to end
 IDLE_S = 6.0
@@ -55,18 +56,6 @@ GOOD_EVERY_S = 0.05
 TRICKLE_EVERY_S = 8.0
 BODY_BYTES = 1024 * 1024
 P99_BOUND_MS = 100.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def rss_mb(pid: int) -> float | None:
@@ -381,14 +370,7 @@ def main(argv: list[str]) -> int:
         return 0 if ok else 1
     finally:
         stop.set()
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs.values(), grace_s=20)
         if not args.workspace:
             shutil.rmtree(ws, ignore_errors=True)
 

@@ -27,8 +27,9 @@ from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
     PhaseResult,
     pct,
     run_phase,
-    stop_child,
 )
+
+from gridd.childprocs import stop_processes
 
 BACKENDS = ("h11", "hypercorn")
 CHILD_START_CAP_S = 20.0
@@ -150,7 +151,7 @@ def start_child(backend: str, cpu: int | None) -> tuple[subprocess.Popen, str, i
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
     if not ready:
-        stop_child(child)
+        stop_processes([child], grace_s=5)
         raise RuntimeError(f"{backend} server did not start within {CHILD_START_CAP_S}s")
     url = child.stdout.readline().strip()
     hostport = url.removeprefix("http://")
@@ -195,7 +196,7 @@ def main() -> None:
 
                 trio.run(drive)
             finally:
-                stop_child(child)
+                stop_processes([child], grace_s=5)
             rates = " ".join(
                 f"{key}={len(runs[-1].total_s) / runs[-1].wall_s:.0f}/s"
                 for key, runs in results[backend].items()

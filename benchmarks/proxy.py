@@ -47,8 +47,9 @@ from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
     PhaseResult,
     pct,
     run_phase,
-    stop_child,
 )
+
+from gridd.childprocs import stop_processes
 
 CHILD_START_CAP_S = 20.0
 MODEL = "sim-model"
@@ -152,7 +153,7 @@ def start_child(role: str, cpu: int | None, src: str, upstreams: tuple[str, ...]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
     if not ready:
-        stop_child(child)
+        stop_processes([child], grace_s=5)
         raise RuntimeError(f"{role} did not start within {CHILD_START_CAP_S}s")
     return child, child.stdout.readline().strip()
 
@@ -251,10 +252,9 @@ def main() -> None:
 
             trio.run(drive)
         finally:
-            for child in (front, *replicas):
-                stop_child(child)
+            stop_processes([front, *replicas], grace_s=5)
     finally:
-        stop_child(sim)
+        stop_processes([sim], grace_s=5)
 
     def pooled(path: str, key: str, attr: str) -> list[float]:
         return [v for run in results[path][key] for v in getattr(run, attr)]

@@ -33,7 +33,9 @@ import time
 
 import trio
 from proxy import CHAT_STREAM, hostport, post, start_child  # benchmarks/ is sys.path[0]
-from rawhttp import CONNECT_CAP_S, pct, stop_child
+from rawhttp import CONNECT_CAP_S, pct
+
+from gridd.childprocs import stop_processes
 
 MAX_CONCURRENCY = 5000
 MAX_HOLD_S = 600.0
@@ -195,10 +197,9 @@ def main() -> None:
             result = trio.run(drive, front.pid, *hostport(front_url), targets, args.concurrency, args.hold_s,
                               args.row_s)
         finally:
-            stop_child(front)
+            stop_processes([front], grace_s=5)
     finally:
-        for child, _ in sims:
-            stop_child(child)
+        stop_processes([child for child, _ in sims], grace_s=5)
     first, total = result["first"], result["total"]
     if not total:
         print("no stream finished")

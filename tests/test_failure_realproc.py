@@ -17,7 +17,9 @@ import time
 
 import httpx
 import pytest
-from realproc import PEERED_OPERATOR, Processes, free_ports, series, wait_until
+from realproc import PEERED_OPERATOR, Processes, series, wait_until
+
+from gridd.childprocs import free_ports
 
 pytestmark = pytest.mark.realproc
 

@@ -19,7 +19,9 @@ import openai
 import pytest
 from docs_tables import backticked, table_rows
 from prometheus_client.parser import text_string_to_metric_families
-from realproc import free_ports, stop, wait_until
+from realproc import wait_until
+
+from gridd.childprocs import free_ports, stop_processes
 
 pytestmark = pytest.mark.realproc
 MODEL = "grid-model"
@@ -197,7 +199,7 @@ scrape_configs:
                          "grid_provider_config_generation"):
                 assert name in names
         finally:
-            stop(prom)
+            stop_processes([prom], grace_s=20)
 
 
 def test_docs_metrics_lists_every_series_with_its_labels(grid):

@@ -20,8 +20,8 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from realproc import free_ports
 
+from gridd.childprocs import free_ports
 from gridd.config import load_config
 from gridd.operator.service import OperatorService
 from gridd.sim.app import SimApp

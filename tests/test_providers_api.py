@@ -19,7 +19,7 @@ import pytest
 import trio
 import yaml
 from prometheus_client import CollectorRegistry
-from realproc import free_ports, gridctl_status, start_gridd, stop_all, wait_until
+from realproc import gridctl_status, start_gridd, wait_until
 from support import PROVIDERS_CONFIG as CONFIG
 from support import PROVIDERS_ENV as ENV
 from support import WRITE_TOKEN, ProvidersRig
@@ -34,6 +34,7 @@ from gridd.api.providers import (
     secret_bindings,
     upsert_provider,
 )
+from gridd.childprocs import free_ports, stop_processes
 from gridd.config import load_config, parse_config
 from gridd.errors import ConfigError, StateError
 from gridd.operator.service import OperatorService
@@ -571,7 +572,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
         assert operator.wait(timeout=20) == 0
         assert "stopped" in operator.stderr.read()
     finally:
-        stop_all(procs)
+        stop_processes(procs, grace_s=10)
 
 
 @pytest.mark.realproc

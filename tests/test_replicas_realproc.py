@@ -11,7 +11,9 @@ import sys
 
 import httpx
 import pytest
-from realproc import Processes, free_ports, gridctl_status, wait_until
+from realproc import Processes, gridctl_status, wait_until
+
+from gridd.childprocs import free_ports
 
 pytestmark = pytest.mark.realproc
 MODEL = "sim-model"

@@ -19,7 +19,9 @@ import time
 import httpx
 import pytest
 import yaml
-from realproc import free_ports, gridctl, gridctl_status, start_gridd, stop_all, wait_until
+from realproc import gridctl, gridctl_status, start_gridd, wait_until
+
+from gridd.childprocs import free_ports, stop_processes
 
 pytestmark = pytest.mark.realproc
 
@@ -164,7 +166,7 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
     finally:
         capture.close()
         victim.unlink(missing_ok=True)
-        stop_all(procs)
+        stop_processes(procs, grace_s=10)
 
 
 def _open_fds(pid: int) -> int:
@@ -232,7 +234,7 @@ def test_real_providers_api_bounds_slow_bodies_and_connections(tmp_path):
     finally:
         for sock in slow:
             sock.close()
-        stop_all([operator])
+        stop_processes([operator], grace_s=10)
     assert operator.returncode == 0
 
 
@@ -283,4 +285,4 @@ limits: {{peer_max_providers: 50}}
         assert len({line.split('grid_provider="')[1].split('"')[0]
                     for line in metrics.splitlines() if 'grid_provider="flood-' in line}) <= 50
     finally:
-        stop_all(procs)
+        stop_processes(procs, grace_s=10)

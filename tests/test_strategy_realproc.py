@@ -14,7 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from realproc import Processes, free_ports, gridctl, gridctl_status, wait_until
+from realproc import Processes, gridctl, gridctl_status, wait_until
+
+from gridd.childprocs import free_ports
 
 pytestmark = pytest.mark.realproc
 MODEL = "Qwen/Qwen3.5-9B"
