@@ -7,8 +7,9 @@ the parent drives load over loopback with raw keep-alive sockets (a minimal HTTP
 the load generator costs as little as possible). With 2 or more cores the child is pinned to
 CPU 1 and the parent to CPU 0; load generator and server still share one machine.
 
-Figures are per round, then the median over rounds. Every phase is bounded by a request count and a time cap (PHASE_CAP_S); a phase that hits the
-cap is flagged "capped" in the table. Rounds alternate the backends to spread drift evenly.
+Figures are per round, then the median over rounds. Every phase is bounded by a request count
+and a time cap (PHASE_CAP_S); a phase that hits the cap is flagged "capped" in the table. Rounds
+alternate the backends to spread drift evenly.
 Last line: h11_vs_hypercorn_rps_ratio=<small GET req/s at concurrency 8, h11 / hypercorn>.
 """
 

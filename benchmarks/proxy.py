@@ -262,9 +262,11 @@ def main() -> None:
     def rate(path: str, key: str) -> float:
         return statistics.median(len(r.total_s) / r.wall_s for r in results[path][key])
 
-    capped = sorted({key for path in paths for key, runs in results[path].items() if any(r.capped for r in runs)})
+    capped = sorted({key for path in paths for key, runs in results[path].items()
+                     if any(r.capped for r in runs)})
     print(f"# {len(cpus)} CPUs; simulator on CPU {sim_cpu}, front and load generator on CPU {load_cpu}"
-          + (f" ({args.replicas} front replicas sharing the port, one per CPU in turn)" if args.replicas > 1 else "")
+          + (f" ({args.replicas} front replicas sharing the port, one per CPU in turn)"
+             if args.replicas > 1 else "")
           + "; "
           f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
           + (f"; CAPPED: {', '.join(capped)}" if capped else ""))
@@ -284,7 +286,8 @@ def main() -> None:
     first_g = pct(pooled("gateway", "stream_c1", "first_s"), 0.5)
     print(f"# streamed, concurrency 1: first chunk p50 direct {first_d:.3f} ms, gateway {first_g:.3f} ms")
     print(f"rps_c64={rate('gateway', 'chat_c64'):.0f}")
-    added = pct(pooled("gateway", "chat_c1", "total_s"), 0.5) - pct(pooled("direct", "chat_c1", "total_s"), 0.5)
+    added = (pct(pooled("gateway", "chat_c1", "total_s"), 0.5)
+             - pct(pooled("direct", "chat_c1", "total_s"), 0.5))
     print(f"added_p50_ms={added:.3f}")
 
 

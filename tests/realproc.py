@@ -87,8 +87,8 @@ class Processes:
         """``prefix`` goes before the command, e.g. ``ip netns exec NS`` (which execs it, so
         the pid is gridd's own)."""
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
-                                env=None if env is None else {**os.environ, **env})
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "gridd", *args], stdout=log, stderr=log,
+                                cwd=self.dir, env=None if env is None else {**os.environ, **env})
         log.close()
         self.procs[name] = proc
         return proc
@@ -120,8 +120,10 @@ class Processes:
 
 def gridctl(sock, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run gridctl against the control socket ``sock`` (the installed console script's code)."""
-    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30, input=stdin)
+    return subprocess.run([sys.executable, "-c",
+                           "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30,
+                          input=stdin)
 
 
 def gridctl_status(sock) -> dict | None:

@@ -53,7 +53,8 @@ def load(*, ready=2, running=1.0, waiting=0.0, units=True, kv=0.2, flow=0.0) -> 
     """An EPP pool reading with ``ready`` per-endpoint series (none when ``units`` is False)."""
     unit_list = tuple(UnitLoad(f"u{i}", waiting=waiting) for i in range(ready)) if units else ()
     return LoadSignals(ready_endpoints=ready, units=unit_list, avg_running=running, avg_waiting=waiting,
-                       kv_mean=kv, kv_spread=0.0, flow_queue=flow, in_flight=(running + waiting) * ready + flow)
+                       kv_mean=kv, kv_spread=0.0, flow_queue=flow,
+                       in_flight=(running + waiting) * ready + flow)
 
 
 # Three sites' readings with known capacities and rho (4 units x the prior 8 = 32, and so on).
@@ -152,7 +153,8 @@ GATEWAY_A1 = PeerIdentity(TD, "a", "gateway", "g1")
 class Issuer:
     """A CA (gridd's own or trustme's) writing ca.pem and leaf PEM files into a directory."""
 
-    def __init__(self, directory: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey) -> None:
+    def __init__(self, directory: Path, ca_cert: x509.Certificate,
+                 ca_key: ec.EllipticCurvePrivateKey) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.ca_cert = ca_cert
@@ -210,7 +212,8 @@ class Issuer:
 
     def issue_without_identity(self) -> tuple[str, str]:
         """A leaf the CA signed that names no spiffe identity (DNS name only)."""
-        return self._write("anonymous", *self.leaf_with_sans([x509.DNSName("localhost")], common_name="anonymous"))
+        return self._write("anonymous",
+                           *self.leaf_with_sans([x509.DNSName("localhost")], common_name="anonymous"))
 
     def server(self, identity: PeerIdentity = OPERATOR_A) -> ssl.SSLContext:
         return server_context(*self.issue(identity), self.ca_file)
@@ -345,7 +348,8 @@ class Grid:
         self.operators: dict[str, OperatorService] = {}
         extra = {} if state_io is None else {"state_io": state_io}
         for site, other in (("a", "b"), ("b", "a")):
-            (tmp_path / f"op-{site}.yaml").write_text(operator_config(site, other) + (operator_yaml or {}).get(site, ""))
+            text = operator_config(site, other) + (operator_yaml or {}).get(site, "")
+            (tmp_path / f"op-{site}.yaml").write_text(text)
             client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.sims[site]))
             self.operators[site] = OperatorService(
                 load_config(tmp_path / f"op-{site}.yaml", env={}), CollectorRegistry(),
@@ -511,9 +515,11 @@ class ProvidersRig:
                                 write_token=lambda: WRITE_TOKEN, **kwargs)
         # Writes always need a token (docs/security.md): the rig's client sends the token
         # file's unless a test says otherwise.
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1",
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
+                                        base_url="http://127.0.0.1",
                                         headers={"authorization": f"Bearer {WRITE_TOKEN}"})
-        self.anonymous = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1")
+        self.anonymous = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
+                                           base_url="http://127.0.0.1")
 
     async def reload(self):
         self.reloads += 1

@@ -127,7 +127,8 @@ STATUS_STATES = (
     set(DAEMON_STATES)
     | set(typing.get_args(PeerState))
     | _found("gateway/service.py", r'self\.operator_state(?:, self\.last_poll_error)? = "([^"]+)"')
-    | _found("probes/runner.py", r'why = "([a-z ]+)"|"provider disabled" if|\("(provider disabled)"|else "(stopped)"\)'
+    | _found("probes/runner.py",
+             r'why = "([a-z ]+)"|"provider disabled" if|\("(provider disabled)"|else "(stopped)"\)'
                                  r'|"state": "(failing)" if|else "(ok)",')
 )
 
@@ -140,14 +141,16 @@ STATUS_STATES = (
     ("Ingest drop reasons", set(DROP_REASONS)),
     ("Feedback failure reasons", set(FAILURE_REASONS)),
     ("Ready condition reasons", _found("core/readiness.py", r'Verdict\((?:True|False|None), "(\w+)"')),
-    ("GatewayAgesRejected reasons", _found("core/feedback.py", r'"reason": "(\w+)"|reason, message = "(\w+)"')),
+    ("GatewayAgesRejected reasons",
+     _found("core/feedback.py", r'"reason": "(\w+)"|reason, message = "(\w+)"')),
     ("Gateway exclusion reasons", set(EXCLUSION_REASONS)),
     ("Gateway signal states", set(SIGNAL_STATES)),
     ("Explain tiers", set(TIERS)),
     ("Explain capacity bounds", set(CAPACITY_BOUNDS)),
     ("Explain outcomes", set(OUTCOMES)),
     ("Status states", STATUS_STATES),
-    ("Front answers", _found("gateway/front.py", r'metrics\.request\([^)]*"(\w+)"\)|exchange\.outcome = "(\w+)"')
+    ("Front answers",
+     _found("gateway/front.py", r'metrics\.request\([^)]*"(\w+)"\)|exchange\.outcome = "(\w+)"')
      | _found("gateway/front.py", r'exchange\.outcome = "\w+" if [^\n]* else "(\w+)"')),
     ("Certificate problems (`gridd check-config`, start, reload)", set(TLS_FIXES)),
 ])

@@ -187,7 +187,8 @@ async def test_exported_series_pass_promtool(tmp_path, autojump_clock):
         nursery.cancel_scope.cancel()
     text = body.decode()
     for family in ("grid_provider_ready", "grid_provider_ready_endpoints", "grid_provider_in_flight_requests",
-                   "grid_provider_ttft_p50_seconds", "grid_provider_ttft_p90_seconds", "grid_provider_tpot_seconds",
+                   "grid_provider_ttft_p50_seconds", "grid_provider_ttft_p90_seconds",
+                   "grid_provider_tpot_seconds",
                    "grid_provider_error_ratio", "grid_provider_config_generation"):
         assert re.search(rf"^{family}\{{", text, re.M), family
     gen = re.search(r"^grid_provider_config_generation\{(.*)\} 1\.0 (\d+)$", text, re.M)
@@ -259,7 +260,8 @@ async def test_recreated_provider_keeps_a_rising_sequence_that_receivers_admit(t
         def admit_latest():
             batch = rig.latest()
             seen.append((batch.revision.provider_uid, batch.revision.batch_sequence))
-            return fences.admit(batch, now_wall=1_800_000_000 + trio.current_time(), verified_site=None).outcome
+            return fences.admit(batch, now_wall=1_800_000_000 + trio.current_time(),
+                                verified_site=None).outcome
 
         async def reload():
             # stage() persists revisions in a worker thread; hold virtual time still meanwhile
@@ -289,19 +291,22 @@ def test_unpublishable_values_travel_as_a_verdict_alone_and_time_never_goes_back
     from gridd.core.admission import validate_payload
     from gridd.core.publication import ProviderPublisher
 
-    pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1, publisher_epoch=7,
-                            created_at=0.0, next_sequence=iter(range(1, 100)).__next__)
+    pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                            publisher_epoch=7, created_at=0.0, next_sequence=iter(range(1, 100)).__next__)
     good = (b'llm_d_epp_ready_endpoints{name="p"} 2\nllm_d_epp_average_running_requests{name="p"} 1\n'
-            b'llm_d_epp_average_queue_size{name="p"} 0\nllm_d_epp_average_kv_cache_utilization{name="p"} 0.2\n'
+            b'llm_d_epp_average_queue_size{name="p"} 0\n'
+            b'llm_d_epp_average_kv_cache_utilization{name="p"} 0.2\n'
             b'llm_d_epp_per_endpoint_queue_size{name="p",model_server_endpoint="e0"} 0\n')
-    first = pub.on_scrape(now=1.0, wall_now=1000.0, body=good, failure_class=None, stale_after_s=10, unavailable=False)
+    first = pub.on_scrape(now=1.0, wall_now=1000.0, body=good, failure_class=None, stale_after_s=10,
+                          unavailable=False)
     assert first.complete and validate_payload(first) is None
     # A payload no field-level rule covers (here a probe value that is not finite): the
     # verdict travels alone. (An out-of-range load value only leaves that field out:
     # tests/test_failure_paths.py.)
     pub.probes = {"attributes.probe.x": math.nan}
     # ... and the wall clock stepped back 5 s
-    second = pub.on_scrape(now=2.0, wall_now=995.0, body=good, failure_class=None, stale_after_s=10, unavailable=False)
+    second = pub.on_scrape(now=2.0, wall_now=995.0, body=good, failure_class=None, stale_after_s=10,
+                           unavailable=False)
     assert second.revision is None and second.load is None and second.ready is True
     assert pub.summary.unpublishable == {"payload": 1}
     assert second.published_ms > first.published_ms
@@ -313,7 +318,8 @@ async def test_own_series_go_stale_on_metrics_when_scraping_stops(tmp_path, auto
         await nursery.start(rig.operator.run)
         origin = trio.current_time()
         await trio.sleep_until(origin + 2.5)
-        assert rig.sample("grid_provider_ready") == 1.0 and rig.sample("grid_provider_in_flight_requests") == 0.0
+        assert rig.sample("grid_provider_ready") == 1.0
+        assert rig.sample("grid_provider_in_flight_requests") == 0.0
         await rig.operator.drain()  # passes scrape nothing from here on; last scrape at +2
         # staleMetricsSeconds = 10 s: still ready 10 s after the last answer, not after
         await trio.sleep_until(origin + 12.0)
@@ -328,10 +334,10 @@ async def test_own_series_go_stale_on_metrics_when_scraping_stops(tmp_path, auto
 def test_a_body_of_too_many_lines_fails_as_parse_before_parsing():
     from gridd.core.publication import MAX_EXPOSITION_LINES, ProviderPublisher
 
-    pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1, publisher_epoch=7,
-                            created_at=0.0, next_sequence=iter(range(1, 9)).__next__)
-    batch = pub.on_scrape(now=1.0, wall_now=1000.0, body=b"a\n" * (MAX_EXPOSITION_LINES + 1), failure_class=None,
-                          stale_after_s=10, unavailable=False)
+    pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                            publisher_epoch=7, created_at=0.0, next_sequence=iter(range(1, 9)).__next__)
+    batch = pub.on_scrape(now=1.0, wall_now=1000.0, body=b"a\n" * (MAX_EXPOSITION_LINES + 1),
+                          failure_class=None, stale_after_s=10, unavailable=False)
     assert batch.revision is None and pub.summary.failures == {"parse": 1}
     assert pub.summary.malformed_lines == 0  # never parsed
 
@@ -372,11 +378,12 @@ def test_scrape_target_sends_the_providers_key_to_its_own_origin_only():
     def target(metrics):
         p = msgspec.convert({"name": "p", "model": "m", "metrics": metrics,
                              "settings": {"endpoint": "http://127.0.0.1:8000/v1",
-                                          "auth": {"scheme": "bearer", "api_key": "sk-provider"}}}, ProviderConfig)
+                                          "auth": {"scheme": "bearer", "api_key": "sk-provider"}}},
+                            ProviderConfig)
         return scrape_target(p).headers
 
     assert target({"url": "http://127.0.0.1:8000/metrics"}) == {"authorization": "Bearer sk-provider"}
     assert target({"url": "http://evil.example:8000/metrics"}) == {}
     assert target({"url": "http://127.0.0.1:9090/metrics"}) == {}
-    assert target({"url": "http://127.0.0.1:9090/metrics",
-                   "auth": {"scheme": "bearer", "api_key": "epp-token"}}) == {"authorization": "Bearer epp-token"}
+    epp = {"url": "http://127.0.0.1:9090/metrics", "auth": {"scheme": "bearer", "api_key": "epp-token"}}
+    assert target(epp) == {"authorization": "Bearer epp-token"}

@@ -46,8 +46,9 @@ def test_cause1_one_request_waiting_at_one_endpoint_is_not_a_demonstrated_limit(
     not the pool's limit: the capacity stays 4 x 8 (the prior), not the 5 in flight.
     d003190: bound 5.0 (the least in-flight ever seen with work waiting)."""
     learner = CapacityLearner()
-    one_queued = LoadSignals(ready_endpoints=4, units=(UnitLoad("u0", waiting=1.0), UnitLoad("u1", waiting=0.0),
-                                                       UnitLoad("u2", waiting=0.0), UnitLoad("u3", waiting=0.0)),
+    one_queued = LoadSignals(ready_endpoints=4,
+                             units=(UnitLoad("u0", waiting=1.0), UnitLoad("u1", waiting=0.0),
+                                    UnitLoad("u2", waiting=0.0), UnitLoad("u3", waiting=0.0)),
                              avg_running=1.0, avg_waiting=0.25)
     LearnerFeed(learner)(0.0, one_queued)
     assert learner.bound == 32.0
@@ -109,7 +110,8 @@ def test_cause3_a_two_to_one_site_pair_at_light_load_routes_about_two_to_one() -
     feed = BatchFeed()
     counts: Counter[str] = Counter()
     for second in range(6):
-        s.ingest([feed.batch("b", ld=load(ready=4, running=0.5)), feed.batch("c", ld=load(ready=2, running=0.5))],
+        s.ingest([feed.batch("b", ld=load(ready=4, running=0.5)),
+                  feed.batch("c", ld=load(ready=2, running=0.5))],
                  now=float(second), now_wall=WALL)
         counts += shares(s, [second + 0.01 * i for i in range(1, 101)])
     assert abs(counts["b"] / 600 - 2 / 3) <= 0.05, counts
@@ -148,7 +150,8 @@ def test_cause5_a_stale_site_is_not_chosen_before_a_full_one_nor_blocks_shedding
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
     feed = BatchFeed()
     busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
-    s.ingest([feed.batch("b", ld=busy), feed.batch("c", ld=load(running=0.0), age_s=19.0)], now=0.0, now_wall=WALL)
+    s.ingest([feed.batch("b", ld=busy), feed.batch("c", ld=load(running=0.0), age_s=19.0)], now=0.0,
+             now_wall=WALL)
     for t in (1.0, 2.0, 3.0):
         s.ingest([feed.batch("b", ld=busy)], now=t, now_wall=WALL)
     assert shares(s, [2.0, 3.0, 3.999]) == Counter({"b": 3})
