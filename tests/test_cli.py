@@ -21,11 +21,9 @@ def test_operator_view_lists_providers_and_peers():
     status = {**BASE, "role": "operator", "role_status": {
         "publisher_epoch": 1796000000, "stale_after_s": 10.0, "last_pass_s": 0.004,
         "providers": [
-            {"name": "llama", "ready": False, "reason": "ScrapeFailed", "ready_endpoints": None,
-             "in_flight": None,
+            {"name": "llama", "ready": False, "reason": "ScrapeFailed", "ready_endpoints": None, "in_flight": None,
              "kv_mean": None, "latency": None, "scrape_age_s": 0.4, "failure_class": "timeout"},
-            {"name": "qwen", "ready": True, "reason": "EndpointsReady", "ready_endpoints": 4,
-             "in_flight": 50.0,
+            {"name": "qwen", "ready": True, "reason": "EndpointsReady", "ready_endpoints": 4, "in_flight": 50.0,
              "kv_mean": 0.43, "kv_spread": 0.07, "scrape_age_s": 0.2, "failure_class": None,
              "latency": {"ttft_p50_s": 0.21, "ttft_p90_s": 0.38, "error_ratio": 0.01},
              "probes": [{"name": "perf", "state": "ok", "ticks": 12, "failures": {"timeout": 2}, "series": 3,
@@ -87,23 +85,18 @@ def test_explain_view_lists_candidates_with_chances_and_one_reason_line_each():
     lines = text.splitlines()
     assert lines[0] == "model       m  (pick rule two_choices, pending weight 4, signal TTL 20 s)"
     assert lines[1] == "a request   forward: a/llama 83.3%, c/llama 16.7%"
-    assert lines[2] == ("shedding    off (availability.shedding.enabled: false): an all-full model is "
-                        "forwarded, never 429")
+    assert lines[2] == "shedding    off (availability.shedding.enabled: false): an all-full model is forwarded, never 429"
     header = next(line for line in lines if line.startswith("SITE"))
     assert header.split() == ["SITE", "PROVIDER", "LOCAL", "SIGNAL", "AGE", "EXCLUDED", "TIER", "CAPACITY",
                               "IN-FLIGHT", "RHO", "FULL", "QUEUE", "PENDING", "CHANCE"]
     rows = [line.split() for line in lines[lines.index(header) + 1:] if line and "/" not in line.split()[0]]
     assert rows == [
-        ["a", "llama", "yes", "fresh", "1.0s", "-", "room", "32.0", "prior", "4.0", "0.12", "no", "0.0",
-         "-", "83.3%"],
-        ["c", "llama", "no", "fresh", "1.0s", "-", "room", "16.0", "prior", "4.0", "0.25", "no", "0.0",
-         "-", "16.7%"],
-        ["b", "llama", "no", "fresh", "1.0s", "-", "room", "16.0", "prior", "8.0", "0.50", "no", "0.0",
-         "-", "0.0%"],
-        ["b", "old", "no", "STALE", "26.0s", "-", "stale", "16.0", "prior", "2.0", "-", "no", "0.0",
-         "-", "0.0%"],
-        ["c", "off", "no", "fresh", "1.0s", "not_ready", "-", "16.0", "prior", "2.0", "0.20",
-         "no", "0.0", "-", "0.0%"],
+        ["a", "llama", "yes", "fresh", "1.0s", "-", "room", "32.0", "prior", "4.0", "0.12", "no", "0.0", "-", "83.3%"],
+        ["c", "llama", "no", "fresh", "1.0s", "-", "room", "16.0", "prior", "4.0", "0.25", "no", "0.0", "-", "16.7%"],
+        ["b", "llama", "no", "fresh", "1.0s", "-", "room", "16.0", "prior", "8.0", "0.50", "no", "0.0", "-", "0.0%"],
+        ["b", "old", "no", "STALE", "26.0s", "-", "stale", "16.0", "prior", "2.0", "-", "no", "0.0", "-", "0.0%"],
+        ["c", "off", "no", "fresh", "1.0s", "not_ready", "-", "16.0", "prior", "2.0", "0.20", "no", "0.0", "-",
+         "0.0%"],
     ]
     reasons = [line for line in lines if line.split() and "/" in line.split()[0]]
     assert [r.split(":")[0] for r in reasons] == ["a/llama", "c/llama", "b/llama", "b/old", "c/off"]
@@ -125,8 +118,7 @@ def test_explain_view_names_503_429_and_404():
     for t in (0.0, 2.0):
         shed.ingest([feed.batch("a", ld=full)], now=t, now_wall=WALL)
     lines = format_explain(explained(shed, now=2.0)).splitlines()
-    assert lines[1].startswith("a request   429 (shedding): ")
-    assert lines[1].endswith("; Retry-After about 5 s")
+    assert lines[1].startswith("a request   429 (shedding): ") and lines[1].endswith("; Retry-After about 5 s")
     assert lines[2] == "shedding    on: SHEDDING (429) (next change in about 5 s)"
     assert next(line for line in lines if line.split()[:2] == ["a", "llama"]).split()[6] == "FULL"
 
@@ -150,8 +142,7 @@ class FakeClock:
 
 
 def test_watch_redraws_in_place_count_frames_on_schedule():
-    clock, out, answers = FakeClock(), io.StringIO(), iter([{"ok": True, "n": 1}, {"ok": True, "n": 2},
-                                                            {"ok": True, "n": 3}])
+    clock, out, answers = FakeClock(), io.StringIO(), iter([{"ok": True, "n": 1}, {"ok": True, "n": 2}, {"ok": True, "n": 3}])
 
     def fetch():
         clock.t += 0.25  # each answer takes 0.25 s: frames still start 2 s apart
@@ -173,13 +164,11 @@ def test_watch_without_a_terminal_or_as_json_does_not_clear_and_ctrl_c_exits_0()
     def interrupted(s):
         raise KeyboardInterrupt
 
-    code = watch_frames(lambda: {"ok": False, "error": "gone"}, lambda r: r["error"], title="t",
-                        interval_s=1.0,
+    code = watch_frames(lambda: {"ok": False, "error": "gone"}, lambda r: r["error"], title="t", interval_s=1.0,
                         count=None, as_json=True, out=out, clear=False, sleep=interrupted, clock=clock)
     assert code == 0 and CLEAR_SCREEN not in out.getvalue()
     assert out.getvalue().splitlines()[0] == '{"error": "gone", "ok": false}'
     out = io.StringIO()
-    code = watch_frames(lambda: {"ok": False, "error": "gone"}, lambda r: r["error"], title="t",
-                        interval_s=1.0,
+    code = watch_frames(lambda: {"ok": False, "error": "gone"}, lambda r: r["error"], title="t", interval_s=1.0,
                         count=2, as_json=False, out=out, clear=False, sleep=clock.sleep, clock=clock)
     assert code == 1 and out.getvalue().count("every 1s: t") == 2 and CLEAR_SCREEN not in out.getvalue()

@@ -76,8 +76,7 @@ providers:
         (PROBE_PROVIDERS.replace("INTERVAL", "soon"),
          "providers[2].settings.probes[0].interval: expected a number, got 'soon'"),
         ("role: operator\nsite: a\nbogus: 1\n", "bogus: unknown field"),
-        ("role: operator\nsite: a\ntimings: {scrape_intervall_s: 1}\n",
-         "timings.scrape_intervall_s: unknown field"),
+        ("role: operator\nsite: a\ntimings: {scrape_intervall_s: 1}\n", "timings.scrape_intervall_s: unknown field"),
         ("role: router\nsite: a\n", "role: expected one of 'gateway', 'operator', got 'router'"),
         ("site: a\n", "role: required field is missing"),
         ("role: operator\nsite: Site_A\n", "site: expected a string matching regex"),
@@ -100,8 +99,7 @@ providers:
          "providers[0].settings.endpoint: expected a string matching regex"),
         ("role: operator\nsite: a\nproviders:\n - {name: x, model: m, settings: {endpoint: 'http://h/v1', "
          "probes: [{name: p, extract: [{regex: '((a+)+)(b)'}]}]}}\n",
-         "providers[0].settings.probes[0].extract[0].regex: a variable-length repeat inside an unbounded "
-         "one"),
+         "providers[0].settings.probes[0].extract[0].regex: a variable-length repeat inside an unbounded one"),
         ("role: operator\nsite: a\ntimings: {peer_poll_interval_s: 20}\n",
          "timings.peer_poll_budget_s: expected a budget at least as long as peer_poll_interval_s"),
         ("- just\n- a list\n", "(top level): expected a mapping, got a list"),
@@ -165,8 +163,8 @@ def test_load_config_workspace_and_file_errors(tmp_path):
     assert load_config(path, env={"GRIDD_WORKSPACE": "/srv/ws"}).workspace == pathlib.Path("/srv/ws")
     # spec 004's names are accepted too; gridd's own win when both are set
     assert load_config(path, env={"GATEWAY_WORKSPACE": "/srv/gw"}).workspace == pathlib.Path("/srv/gw")
-    both = {"GRIDD_WORKSPACE": "/srv/ws", "GATEWAY_WORKSPACE": "/srv/gw"}
-    assert load_config(path, env=both).workspace == pathlib.Path("/srv/ws")
+    assert load_config(path, env={"GRIDD_WORKSPACE": "/srv/ws", "GATEWAY_WORKSPACE": "/srv/gw"}).workspace == (
+        pathlib.Path("/srv/ws"))
     assert config_from_env({"GATEWAY_CONFIG": "/etc/g.yaml"}) == "/etc/g.yaml"
     assert config_from_env({"GRIDD_CONFIG": "/etc/a.yaml", "GATEWAY_CONFIG": "/etc/g.yaml"}) == "/etc/a.yaml"
     assert config_from_env({"GRIDD_CONFIG": ""}) is None
@@ -178,16 +176,14 @@ def test_load_config_workspace_and_file_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("role: operator\nsite: a\nbogus: 1\n")
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "bad.yaml", env={})
-    assert str(info.value) == (f"{tmp_path / 'bad.yaml'}: bogus: unknown field "
-                               "(check spelling; see docs/config.md)")
+    assert str(info.value) == f"{tmp_path / 'bad.yaml'}: bogus: unknown field (check spelling; see docs/config.md)"
 
 
 def test_control_socket_path_resolution(tmp_path):
     cfg, _ = parse_config(MINIMAL_OPERATOR + "control_socket: run/g.sock\n", env={})
     assert default_control_socket(cfg, tmp_path, {}) == tmp_path / "run" / "g.sock"
     cfg, _ = parse_config(MINIMAL_OPERATOR, env={})
-    runtime = {"RUNTIME_DIRECTORY": "/run/x"}
-    assert default_control_socket(cfg, tmp_path, runtime) == pathlib.Path("/run/x/gridd.sock")
+    assert default_control_socket(cfg, tmp_path, {"RUNTIME_DIRECTORY": "/run/x"}) == pathlib.Path("/run/x/gridd.sock")
     assert default_control_socket(None, None, {}) == pathlib.Path("/run/gridd/gridd.sock")
 
 

@@ -243,8 +243,7 @@ def _gridd(*args, env=None, **kw):
 
 
 def _gridctl(*args, timeout=30):
-    return subprocess.run([sys.executable, "-c",
-                           "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
                            *args], capture_output=True, text=True, timeout=timeout)
 
 

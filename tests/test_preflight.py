@@ -120,10 +120,9 @@ def test_a_key_of_another_certificate_is_refused(workspace):
 
 def test_a_certificate_of_another_ca_is_refused(workspace):
     message = refused(workspace, gateway(workspace, "other/a-gateway-g1.pem", "other/a-gateway-g1-key.pem"))
-    assert message.startswith(f"tls.cert: {workspace / 'other/a-gateway-g1.pem'}: does not chain to the CA "
-                              f"in {workspace / 'certs/ca.pem'}")
-    assert message.endswith("; issue the certificate from the grid CA named in tls.ca, or point tls.ca at "
-                            "its issuer")
+    assert message.startswith(f"tls.cert: {workspace / 'other/a-gateway-g1.pem'}: does not chain to the CA in "
+                              f"{workspace / 'certs/ca.pem'}")
+    assert message.endswith("; issue the certificate from the grid CA named in tls.ca, or point tls.ca at its issuer")
 
 
 def test_a_missing_file_is_named_by_its_config_path(workspace):
@@ -141,10 +140,9 @@ def test_listen_addresses_must_parse(workspace, bind):
 
 def test_operator_rules_and_providers_without_metrics(workspace):
     assert check(workspace, OPERATOR) == [
-        "providers[1] (local): no metrics block: no readiness or load from an EPP; judged by its probes "
-        "only (perf)",
-        "providers[2] (bare): no metrics block: no readiness or load from an EPP; and no probes: it "
-        "publishes no signal at all",
+        "providers[1] (local): no metrics block: no readiness or load from an EPP; judged by its probes only (perf)",
+        "providers[2] (bare): no metrics block: no readiness or load from an EPP; and no probes: it publishes "
+        "no signal at all",
     ]
     # The operator's own start-time rules are checked too (here: peers need wss://).
     peers = OPERATOR + "peers: [{site: b, url: 'https://b:9443/signals'}, {site: c, url: 'http://c:1/s'}]\n"
@@ -173,8 +171,7 @@ def test_the_examples_pass_once_their_certificates_exist(tmp_path):
     run = [sys.executable, "-m", "gridd", "check-config"]
     before = subprocess.run([*run, str(ws / "gateway.yaml")], capture_output=True, text=True, timeout=60)
     assert before.returncode == 2
-    assert before.stderr == (f"invalid config: {ws / 'gateway.yaml'}: tls.cert: "
-                             f"{ws / 'certs/a-gateway-g1.pem'}: "
+    assert before.stderr == (f"invalid config: {ws / 'gateway.yaml'}: tls.cert: {ws / 'certs/a-gateway-g1.pem'}: "
                              "certificate file not found; make the file readable by gridd, or make it: "
                              "gridd certs issue --site a --role gateway --replica g1 DIR\n")
     certs_cli("init", str(ws / "certs"))
@@ -194,5 +191,5 @@ def test_run_refuses_an_unbindable_listen_address_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
-        "<3>gridd: cannot run: listen.metrics: bind '127.0.0.1:70000' is not host:port, [v6]:port or "
-        "unix:/path; write host:port with a port up to 65535, e.g. 127.0.0.1:9100")
+        "<3>gridd: cannot run: listen.metrics: bind '127.0.0.1:70000' is not host:port, [v6]:port or unix:/path; "
+        "write host:port with a port up to 65535, e.g. 127.0.0.1:9100")

@@ -60,8 +60,7 @@ EXTRACT_CASES = [
     ("wildcard discovers several", VLLM_BODY, [rx(WILDCARD_REGEX)],
      {"num_requests_running": 1.0, "num_requests_waiting": 3.0}),
     ("json dotted path", b'{"stats": {"pending": 7}}', [js("stats.pending")], {"pending": 7.0}),
-    ("two rules, in order", VLLM_BODY,
-     [rx(SPEC_REGEX), rx(r"vllm:(kv_cache_usage_perc)\{[^}]*\}\s+([0-9.eE+-]+)")],
+    ("two rules, in order", VLLM_BODY, [rx(SPEC_REGEX), rx(r"vllm:(kv_cache_usage_perc)\{[^}]*\}\s+([0-9.eE+-]+)")],
      {"num_requests_waiting": 3.0, "kv_cache_usage_perc": 0.25}),
     ("non-numeric values skipped", b"a=1 b=x c=NaN d=+Inf e=-1.5e3 f=1_000 g=. h=1e400 i=.5",
      [rx(r"(\w+)=(\S+)")], {"a": 1.0, "e": -1500.0, "i": 0.5}),
@@ -82,14 +81,13 @@ EXTRACT_CASES = [
     ("json: not JSON", b"pending 7", [js("stats.pending")], {}),
     ("json: nested too deeply", b"[" * 100_000 + b"]" * 100_000, [js("0")], {}),
     ("json: integer beyond float range", b'{"n": 1' + b"0" * 400 + b"}", [js("n")], {}),
-    ("json and regex rules on one body", b'{"stats": {"pending": 7}, "q": 9}',
-     [js("stats.pending"), rx(r'"(q)": (\d+)')], {"pending": 7.0, "q": 9.0}),
+    ("json and regex rules on one body", b'{"stats": {"pending": 7}, "q": 9}', [js("stats.pending"), rx(r'"(q)": (\d+)')],
+     {"pending": 7.0, "q": 9.0}),
     ("nothing matches", b"", [rx(SPEC_REGEX), js("a")], {}),
 ]
 
 
-@pytest.mark.parametrize("body, rules, expected", [c[1:] for c in EXTRACT_CASES],
-                         ids=[c[0] for c in EXTRACT_CASES])
+@pytest.mark.parametrize("body, rules, expected", [c[1:] for c in EXTRACT_CASES], ids=[c[0] for c in EXTRACT_CASES])
 def test_extract(body, rules, expected):
     assert extract(body, rules) == expected
     assert extract(body.decode("utf-8"), rules) == expected  # str in, same out
@@ -97,8 +95,7 @@ def test_extract(body, rules, expected):
 
 @pytest.mark.parametrize("junk", [b"garbage \xff\xfe{{{\n", b"vllm:num_requests_waiting{", b"\x00" * 10])
 def test_extract_ignores_trailing_junk_and_bad_utf8(junk):
-    assert extract(VLLM_BODY + junk, [rx(WILDCARD_REGEX)]) == {"num_requests_running": 1.0,
-                                                               "num_requests_waiting": 3.0}
+    assert extract(VLLM_BODY + junk, [rx(WILDCARD_REGEX)]) == {"num_requests_running": 1.0, "num_requests_waiting": 3.0}
 
 
 def test_extract_at_every_split_of_a_line_sees_only_whole_lines():
@@ -156,8 +153,7 @@ def test_rules_compile_once_per_rule_set(monkeypatch):
     monkeypatch.setattr(probes, "Extractor", CountedExtractor)
     rules = [rx(SPEC_REGEX + "(?#compiled once)")]  # a rule set no other test has compiled
     assert extract(VLLM_BODY, rules) == {"num_requests_waiting": 3.0}
-    # an equal set: the same extractor
-    assert extract(VLLM_BODY, list(rules)) == {"num_requests_waiting": 3.0}
+    assert extract(VLLM_BODY, list(rules)) == {"num_requests_waiting": 3.0}  # an equal set: the same extractor
     assert built == [tuple(rules)]
 
 
@@ -246,8 +242,7 @@ async def inline_io(fn, *args):
     return fn(*args)
 
 
-def provider(probes: list[dict], *, endpoint: str = "http://sim/v1",
-             enabled: bool = True, **settings) -> ProviderConfig:
+def provider(probes: list[dict], *, endpoint: str = "http://sim/v1", enabled: bool = True, **settings) -> ProviderConfig:
     return msgspec.convert({"name": "llama", "model": "sim-model", "enabled": enabled,
                             "settings": {"endpoint": endpoint, "probes": probes, **settings}}, ProviderConfig)
 
@@ -284,8 +279,7 @@ async def load(sim: SimApp, nursery: trio.Nursery, requests: int) -> None:
 
     async def complete() -> None:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=sim)) as c:
-            await c.post("http://sim/v1/completions",
-                         json={"model": "sim-model", "prompt": "x", "max_tokens": 2})
+            await c.post("http://sim/v1/completions", json={"model": "sim-model", "prompt": "x", "max_tokens": 2})
 
     for _ in range(requests):
         nursery.start_soon(complete)
@@ -396,11 +390,9 @@ async def test_method_and_credentials(tmp_path, autojump_clock):
     auth = {"auth": {"scheme": "bearer", "api_key": "s3cret"}}
     own = perf_probe(name="own", endpoint="http://backend:8000/metrics", method="POST",
                      extract=[{"regex": r"(q) (\d+)"}])
-    other = perf_probe(name="other", endpoint="http://elsewhere:8000/metrics",
-                       extract=[{"regex": r"(q) (\d+)"}])
+    other = perf_probe(name="other", endpoint="http://elsewhere:8000/metrics", extract=[{"regex": r"(q) (\d+)"}])
     async with trio.open_nursery() as nursery:
-        await nursery.start(rig.runner.run, client,
-                            [provider([own, other], endpoint="http://backend:8000/v1", **auth)])
+        await nursery.start(rig.runner.run, client, [provider([own, other], endpoint="http://backend:8000/v1", **auth)])
         await trio.sleep(1)
         assert sorted(seen) == [("GET", "http://elsewhere:8000/metrics", None),
                                 ("POST", "http://backend:8000/metrics", "Bearer s3cret")]
@@ -410,8 +402,7 @@ async def test_method_and_credentials(tmp_path, autojump_clock):
 
 def test_credentials_go_to_the_providers_origin_only():
     p = provider([], endpoint="https://backend:8443/v1",
-                 auth={"scheme": "header", "api_key": "k", "header_name": "x-key",
-                       "custom_headers": {"x-a": "1"}})
+                 auth={"scheme": "header", "api_key": "k", "header_name": "x-key", "custom_headers": {"x-a": "1"}})
     assert credentials_for("https://backend:8443/metrics", None, p) == {"x-a": "1", "x-key": "k"}
     assert credentials_for("http://backend:8443/metrics", None, p) == {}  # another scheme
     assert credentials_for("https://backend:9090/metrics", None, p) == {}  # another port
@@ -469,31 +460,26 @@ async def test_file_sink_unbounded_with_max_entries_0(tmp_path, autojump_clock):
         await nursery.start(rig.runner.run, rig.client, [provider([probe])])
         await trio.sleep(30.5)
         nursery.cancel_scope.cancel()
-    # an absolute path inside the workspace is used as it is
-    assert len(records(rig.workspace / "abs.jsonl")) == 31
+    assert len(records(rig.workspace / "abs.jsonl")) == 31  # an absolute path inside the workspace is used as it is
 
 
-async def test_file_sink_io_error_is_counted_logged_once_and_never_stops_the_probe(tmp_path,
-                                                                                   autojump_clock, caplog):
+async def test_file_sink_io_error_is_counted_logged_once_and_never_stops_the_probe(tmp_path, autojump_clock, caplog):
     rig = RunnerRig(tmp_path)
     rig.workspace.mkdir()
     (rig.workspace / "probes").write_text("a file where the directory should be")
-    probe = perf_probe(publish=[{"to": "file", "path": "probes/x.jsonl"},
-                                {"to": "metadata", "prefix": "performance"}])
+    probe = perf_probe(publish=[{"to": "file", "path": "probes/x.jsonl"}, {"to": "metadata", "prefix": "performance"}])
     caplog.set_level(logging.WARNING, logger="gridd.probes")
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.runner.run, rig.client, [provider([probe])])
         origin = trio.current_time()
         await trio.sleep_until(origin + 11)
-        stats = rig.stats()
-        assert stats.sink_errors == {"file": 3} and stats.ticks == 3 and stats.failures == {}
+        assert rig.stats().sink_errors == {"file": 3} and rig.stats().ticks == 3 and rig.stats().failures == {}
         assert rig.publisher.probes == {"performance.num_requests_waiting": 0.0}  # later sinks still run
         assert len([r for r in caplog.records if "file sink failed" in r.getMessage()]) == 1
         nursery.cancel_scope.cancel()
 
 
-async def test_jsonl_history_in_a_worker_thread_counts_existing_lines_and_mends_a_partial_one(tmp_path,
-                                                                                              autojump_clock):
+async def test_jsonl_history_in_a_worker_thread_counts_existing_lines_and_mends_a_partial_one(tmp_path, autojump_clock):
     # Real worker threads: hold virtual time still while they run (STYLE 13 / tests/test_operator.py).
     autojump_clock.autojump_threshold = math.inf
     path = tmp_path / "deep" / "er" / "h.jsonl"
@@ -577,8 +563,8 @@ class OperatorRig:
         return self.operator.holdings.get("a", "llama").batch
 
     def sample(self, name: str, probe: str, **labels):
-        labels = {"grid_site": "a", "grid_provider": "llama", "probe": probe, **labels}
-        return self.registry.get_sample_value(name, labels)
+        return self.registry.get_sample_value(name, {"grid_site": "a", "grid_provider": "llama", "probe": probe,
+                                                     **labels})
 
     async def start(self, nursery: trio.Nursery, clock) -> float:
         """Start the operator (its start-up works in worker threads: virtual time held)."""
@@ -599,8 +585,7 @@ async def test_probe_values_travel_in_the_next_batch(tmp_path, autojump_clock):
     rig = OperatorRig(tmp_path, operator_yaml({"name": "perf"}), max_seqs=1, ttft_s=3600)
     async with trio.open_nursery() as nursery:
         await load(rig.sim, nursery, 4)  # 1 running, 3 waiting
-        # scrape passes at +0, +1, ...; probe ticks at +0, +5, ...
-        origin = await rig.start(nursery, autojump_clock)
+        origin = await rig.start(nursery, autojump_clock)  # scrape passes at +0, +1, ...; probe ticks at +0, +5, ...
         await trio.sleep_until(origin + 1.5)
         batch = rig.latest()
         assert batch.probes == {"performance.num_requests_waiting": 3.0}
@@ -632,8 +617,7 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
         assert set(rig.operator.publishers["llama"].probes) == {"performance.num_requests_waiting",
                                                                 "probe.num_requests_waiting"}
         await rig.reload(autojump_clock, operator_yaml({"name": "a"}, {"name": "b", "interval": 4},
-                                                       {"name": "c", "enabled": "false",
-                                                        "prefix": "attributes.probe"}))
+                                                       {"name": "c", "enabled": "false", "prefix": "attributes.probe"}))
         reloaded = trio.current_time()
         assert reloaded == origin + 12.5
         assert runner.tasks[("llama", "a")] is task_a  # untouched: same task, same window
@@ -643,8 +627,7 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
         await trio.sleep_until(origin + 25.5)
         assert rig.recorder.times("probe=a") == [origin + k * 5.0 for k in range(6)]  # 0 .. 25, unbroken
         assert rig.recorder.times("probe=b") == [origin, origin + 5.0, origin + 10.0,
-                                                 # 12.5 16.5 20.5 24.5
-                                                 *(reloaded + k * 4.0 for k in range(4))]
+                                                 *(reloaded + k * 4.0 for k in range(4))]  # 12.5 16.5 20.5 24.5
         assert rig.recorder.times("probe=c") == [origin, origin + 5.0, origin + 10.0]
         assert runner.stats[("llama", "b")].ticks == 7 and runner.stats[("llama", "b")].restarts == 1
         assert rig.sample("grid_probe_ticks_total", "b") == 7.0
@@ -656,17 +639,14 @@ async def test_reload_restarts_only_the_changed_probe_and_stops_a_disabled_one(t
 
 
 async def test_provider_endpoint_change_restarts_a_probe_that_uses_it(tmp_path, autojump_clock):
-    own_endpoint = '          endpoint: "http://sim/metrics?probe=perf"\n'
-    text = operator_yaml({"name": "perf"}).replace(own_endpoint, "")  # the probe uses the provider's
+    text = operator_yaml({"name": "perf"}).replace('          endpoint: "http://sim/metrics?probe=perf"\n', "")
     rig = OperatorRig(tmp_path, text)
     async with trio.open_nursery() as nursery:
         origin = await rig.start(nursery, autojump_clock)
         await trio.sleep_until(origin + 2)
         assert rig.operator.probes.tasks[("llama", "perf")].spec.url == "http://sim/v1"
-        # /v1 is no /metrics
-        assert rig.operator.probes.stats[("llama", "perf")].failures == {"http_status": 1}
-        await rig.reload(autojump_clock,
-                         text.replace('endpoint: "http://sim/v1"', 'endpoint: "http://sim/metrics"'))
+        assert rig.operator.probes.stats[("llama", "perf")].failures == {"http_status": 1}  # /v1 is no /metrics
+        await rig.reload(autojump_clock, text.replace('endpoint: "http://sim/v1"', 'endpoint: "http://sim/metrics"'))
         await trio.sleep_until(origin + 2.5)
         stats = rig.operator.probes.stats[("llama", "perf")]
         assert stats.restarts == 1 and stats.ticks == 2 and stats.last_failure_class is None
@@ -765,8 +745,7 @@ providers:
     model: m
     settings:
       endpoint: "http://127.0.0.1:9/v1"
-      probes: [{{name: perf, extract: [{{json: a.b}}],
-                 publish: [{{to: file, path: "{path}", max_entries: 1}}]}}]
+      probes: [{{name: perf, extract: [{{json: a.b}}], publish: [{{to: file, path: "{path}", max_entries: 1}}]}}]
 """)
         return load_config(ws / "op.yaml", env={})
 
@@ -807,19 +786,16 @@ async def test_a_sink_path_that_is_not_a_regular_file_is_an_io_error_not_a_hang(
             await history.append(b'{"x": 1}\n')
 
 
-async def test_a_probe_only_provider_is_published_every_scrape_interval_with_value_ages(tmp_path,
-                                                                                        autojump_clock):
+async def test_a_probe_only_provider_is_published_every_scrape_interval_with_value_ages(tmp_path, autojump_clock):
     # Spec 004 Example 1: no metrics block. Before, nothing ever published such a provider.
-    metrics = '    metrics: {url: "http://sim/metrics", timeout_s: 2}\n'
-    text = operator_yaml({"name": "perf"}).replace(metrics, "")
+    text = operator_yaml({"name": "perf"}).replace('    metrics: {url: "http://sim/metrics", timeout_s: 2}\n', "")
     rig = OperatorRig(tmp_path, text, max_seqs=1, ttft_s=3600)
     async with trio.open_nursery() as nursery:
         await load(rig.sim, nursery, 3)  # 1 running, 2 waiting
         origin = await rig.start(nursery, autojump_clock)  # passes at +0, +1, ...; probe ticks at +0, +5
         await trio.sleep_until(origin + 3.5)
         batch = rig.latest()
-        assert (batch.ready, batch.ready_reason) == (None, "NoMetricsSource")
-        assert (batch.load, batch.revision) == (None, None)
+        assert (batch.ready, batch.ready_reason, batch.load, batch.revision) == (None, "NoMetricsSource", None, None)
         assert batch.probes == {"performance.num_requests_waiting": 2.0}
         # published by the pass at +3; the value was produced by the tick at +0
         assert batch.probe_age_s == {"performance.num_requests_waiting": 3.0}

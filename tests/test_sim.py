@@ -65,9 +65,7 @@ UPSTREAM_LINT = ("metric names should not contain abbreviated units", "metric na
 
 
 def promtool_check(body: bytes) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None and os.path.exists("/usr/bin/promtool"):
-        promtool = "/usr/bin/promtool"
+    promtool = shutil.which("promtool") or ("/usr/bin/promtool" if os.path.exists("/usr/bin/promtool") else None)
     if promtool is None:
         pytest.fail("promtool is not installed (needed to validate /metrics; CI installs it)")
     proc = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
@@ -396,8 +394,7 @@ def test_vllm_values_match_the_model():
         assert value(body, "vllm:kv_cache_usage_perc", **labels) == e.kv_usage
         success = dict(e.engine.success)
         for reason in ("stop", "length", "abort"):
-            assert value(body, "vllm:request_success_total",
-                         finished_reason=reason, **labels) == success[reason]
+            assert value(body, "vllm:request_success_total", finished_reason=reason, **labels) == success[reason]
         assert value(body, "vllm:request_success_created", finished_reason="stop", **labels) == 1.7e9
         ttft = dict(e.engine.histograms)["time_to_first_token_seconds"]
         assert value(body, "vllm:time_to_first_token_seconds_count", **labels) == ttft.count
@@ -629,13 +626,10 @@ async def test_twenty_concurrent_streams_move_the_load_series(nursery, client, f
     if flavour == "vllm":
         def in_flight(body):
             parsed = samples(body)
-            held = parsed["vllm:num_requests_running"] + parsed["vllm:num_requests_waiting"]
-            return sum(v for _, v in held)
+            return sum(v for _, v in parsed["vllm:num_requests_running"] + parsed["vllm:num_requests_waiting"])
     else:
         def in_flight(body):
-            if "llm_d_epp_request_running" not in samples(body):
-                return 0
-            return value(body, "llm_d_epp_request_running")
+            return value(body, "llm_d_epp_request_running") if "llm_d_epp_request_running" in samples(body) else 0
 
     async with trio.open_nursery() as load:
         for _ in range(20):
@@ -655,14 +649,12 @@ async def test_twenty_concurrent_streams_move_the_load_series(nursery, client, f
             for i in range(2):
                 assert value(body, "llm_d_epp_per_endpoint_queue_size",
                              model_server_endpoint=f"sim-pool-decode-{i}-rank-0") == 6
-                assert value(body, "llm_d_epp_inflight_requests",
-                             endpoint_name=f"sim-pool-decode-{i}-rank-0") == 10
+                assert value(body, "llm_d_epp_inflight_requests", endpoint_name=f"sim-pool-decode-{i}-rank-0") == 10
     assert results == [10] * 20
     body = (await client.get(f"{sim.url}/metrics")).content
     assert in_flight(body) == 0
     if flavour == "vllm":
-        assert sum(v for lab, v in samples(body)["vllm:request_success_total"]
-                   if lab["finished_reason"] == "length") == 20
+        assert sum(v for lab, v in samples(body)["vllm:request_success_total"] if lab["finished_reason"] == "length") == 20
         assert sum(v for _, v in samples(body)["vllm:num_requests_running"]) == 0
     else:
         assert value(body, "llm_d_epp_average_running_requests") == 0
@@ -783,8 +775,7 @@ def test_cli_rejects_bad_settings(capsys):
 
 def test_cli_serves_until_sigterm():
     code = "import sys; from gridd.sim.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--port", "0", "--flavour", "vllm",
-                             "--endpoints", "3"],
+    proc = subprocess.Popen([sys.executable, "-c", code, "--port", "0", "--flavour", "vllm", "--endpoints", "3"],
                             stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stderr], [], [], 10.0)
