@@ -49,8 +49,7 @@ IN_FLIGHT_CASES = [
     ("epp, nothing waiting", epp(2.5, 0.0, ready=2), 5.0),
     ("waiting not exposed counts as none", LoadSignals(ready_endpoints=2, avg_running=3.0), 6.0),
     ("vllm direct: engines sampled are the units",
-     LoadSignals(units=(UnitLoad("e0", 2.0, 1.0), UnitLoad("e1", 4.0, 1.0)), avg_running=3.0,
-                 avg_waiting=1.0),
+     LoadSignals(units=(UnitLoad("e0", 2.0, 1.0), UnitLoad("e1", 4.0, 1.0)), avg_running=3.0, avg_waiting=1.0),
      8.0),
     ("zero ready endpoints: averages frozen", epp(3.0, 1.0, ready=0, flow=2.0), None),
     ("no running average", LoadSignals(ready_endpoints=2, avg_waiting=1.0), None),
@@ -76,14 +75,12 @@ WAITING_CASES = [
     ("unit queue", epp(1.0, 0.5), True, False),
     ("flow control holds work", epp(1.0, 0.0, flow=1.0), True, False),
     ("a unit queue at its limit", epp(1.0, 0.0, queue_full=1), True, False),
-    ("per-unit waiting only", LoadSignals(units=(UnitLoad("a", 1.0, 0.0), UnitLoad("b", 1.0, 2.0))),
-     True, False),
+    ("per-unit waiting only", LoadSignals(units=(UnitLoad("a", 1.0, 0.0), UnitLoad("b", 1.0, 2.0))), True, False),
     ("waiting unexposed proves nothing", LoadSignals(ready_endpoints=2, avg_running=1.0), False, False),
 ]
 
 
-@pytest.mark.parametrize(("case", "load", "waiting", "empty"), WAITING_CASES,
-                         ids=[c[0] for c in WAITING_CASES])
+@pytest.mark.parametrize(("case", "load", "waiting", "empty"), WAITING_CASES, ids=[c[0] for c in WAITING_CASES])
 def test_work_waiting_and_nothing_queued(case: str, load: LoadSignals, waiting: bool, empty: bool) -> None:
     assert work_waiting(load) is waiting
     assert nothing_queued(load) is empty
@@ -175,15 +172,13 @@ CAPACITY_CASES = [
     ("an EPP endpoint's limit from in-flight", {}, [endpoints((1.0, 5.0), (0.0, 2.0), avg_running=3.0)], 8.0),
     ("one endpoint waiting, others idle: no limit", {},
      [endpoints((1.0, None), (0.0, None), (0.0, None), (0.0, None), avg_running=1.0)], 32.0),
-    ("evidence is per unit: a pool that doubles doubles", {},
-     [epp(3.0, 1.0, ready=2), epp(1.0, ready=4)], 12.0),
+    ("evidence is per unit: a pool that doubles doubles", {}, [epp(3.0, 1.0, ready=2), epp(1.0, ready=4)], 12.0),
     ("never below the floor", {"floor": 4.0}, [epp(1.0, 1.0)], 4.0),
     ("a floor above the prior", {"floor": 40.0}, [epp(1.0)], 40.0),
 ]
 
 
-@pytest.mark.parametrize(("case", "knobs", "samples", "expected"), CAPACITY_CASES,
-                         ids=[c[0] for c in CAPACITY_CASES])
+@pytest.mark.parametrize(("case", "knobs", "samples", "expected"), CAPACITY_CASES, ids=[c[0] for c in CAPACITY_CASES])
 def test_capacity(case: str, knobs: dict[str, float], samples: list[LoadSignals], expected: float) -> None:
     feed = LearnerFeed(CapacityLearner(**knobs))
     for t, load in enumerate(samples):
@@ -247,8 +242,7 @@ def test_retune_keeps_the_evidence_and_applies_the_new_knobs() -> None:
     feed = LearnerFeed(CapacityLearner())
     feed(0.0, epp(4.0))  # soft 4: the prior 8 stands above 1.5 x 4
     assert feed.learner.capacity(0.0) == 16.0
-    feed.learner.retune(floor=1.0, alpha=0.5, recent_window_s=10.0, unit_capacity=4.0,
-                        evidence_window_s=120.0)
+    feed.learner.retune(floor=1.0, alpha=0.5, recent_window_s=10.0, unit_capacity=4.0, evidence_window_s=120.0)
     assert feed.learner.unit_bounds(0.0) == (4.0, None)
     assert feed.learner.capacity(0.0) == 2 * SOFT_PROBE * 4.0
     assert feed.learner.capacity(119.0) == 12.0  # the longer window keeps it

@@ -18,8 +18,7 @@ def test_a_candidate_whose_fence_moved_past_its_batch_gets_no_cursor():
     kept, other = feed.batch("b"), feed.batch("c")
     s.ingest([kept, other], now=1.0, now_wall=WALL)
     assert set(held_cursors(s.candidates, s.fences)) == {
-        Cursor("b", "llama", kept.revision.publisher_epoch, 1),
-        Cursor("c", "llama", other.revision.publisher_epoch, 1)}
+        Cursor("b", "llama", kept.revision.publisher_epoch, 1), Cursor("c", "llama", other.revision.publisher_epoch, 1)}
     # A rejected payload advances b's fence (DESIGN 5b) but the store keeps the older batch:
     # a cursor would make the operator leave out a batch the gateway does not hold.
     rejected = feed.batch("b", ld=msgspec.structs.replace(load(), avg_running=-1.0))

@@ -201,14 +201,12 @@ def test_shedding_runs_and_the_429():
     assert all(c.chance == 0.0 for c in e.candidates)
     s.ingest([feed.batch("a", ld=load(kv=0.0)), feed.batch("b", ld=full)], now=3.0, now_wall=WALL)
     e = same_as_decide(s, "m", 4.0)  # relief run from 3.0: routes again at 8.0
-    shedding = (e.outcome.kind, e.shedding.run, e.shedding.next_change_s, e.shedding.run_for_s)
-    assert shedding == ("shed", "relief", 4.0, 1.0)
+    assert (e.outcome.kind, e.shedding.run, e.shedding.next_change_s, e.shedding.run_for_s) == ("shed", "relief", 4.0, 1.0)
     # Shedding off: the same all-full model is forwarded, and no run is reported.
     off = store(shedding=False)
     off.ingest([feed.batch("a", ld=full), feed.batch("b", ld=full)], now=0.0, now_wall=WALL)
     e = same_as_decide(off, "m", 5.0)
-    assert (e.outcome.kind, e.outcome.cause) == ("forward", "full")
-    assert "(shedding is off)" in e.outcome.message
+    assert (e.outcome.kind, e.outcome.cause) == ("forward", "full") and "(shedding is off)" in e.outcome.message
     assert (e.shedding.enabled, e.shedding.run, e.shedding.next_change_s) == (False, None, None)
 
 

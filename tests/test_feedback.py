@@ -349,7 +349,7 @@ def test_ledger_a_bad_report_makes_the_replica_unresolved_with_counts_in_the_mes
     assert condition(ledger)["status"] == "False" and condition(ledger)["reason"] == "NoRejections"
     assert ledger.apply("g1", report(2, 3, EV[0], EV[1]), now_wall=995.0).changed is True
     cond = condition(ledger)
-    assert (cond["type"], cond["status"], cond["reason"]) == ("GatewayAgesRejected", "True", "SkewRejected")
+    assert cond["type"] == "GatewayAgesRejected" and cond["status"] == "True" and cond["reason"] == "SkewRejected"
     assert cond["message"] == (
         "gateway g1 rejected 3 batch(es) as too far ahead of its wall clock (2 distinct held, latest "
         "b/pool-b publisher_epoch 2000000000); 0 of 5 clean reports to resolve; last report 5s ago")
@@ -435,8 +435,7 @@ def test_ledger_bounds_evidence_per_replica():
     for i in range(3):
         chunk = EV[i * FEEDBACK_EVIDENCE_MAX // 2:(i + 1) * FEEDBACK_EVIDENCE_MAX // 2]
         ledger.apply("g1", report(i + 1, (i + 1) * len(chunk), *chunk), now_wall=0.0)
-    newest = EV[FEEDBACK_EVIDENCE_MAX // 2:3 * FEEDBACK_EVIDENCE_MAX // 2]
-    assert ledger.replicas["g1"].evidence == list(newest)
+    assert ledger.replicas["g1"].evidence == list(EV[FEEDBACK_EVIDENCE_MAX // 2:3 * FEEDBACK_EVIDENCE_MAX // 2])
     assert len(ledger.replicas["g1"].evidence) == LEDGER_EVIDENCE_MAX
 
 
@@ -444,8 +443,7 @@ def test_ledger_bounds_reporter_epochs_per_replica():
     ledger = GatewayEvidenceLedger()
     for epoch in range(10):
         ledger.apply("g1", report(1, 0, epoch=epoch), now_wall=0.0)
-    epochs = [c.reporter_epoch for c in ledger.replicas["g1"].cursors]
-    assert epochs == list(range(10 - LEDGER_EPOCHS_MAX, 10))
+    assert [c.reporter_epoch for c in ledger.replicas["g1"].cursors] == list(range(10 - LEDGER_EPOCHS_MAX, 10))
 
 
 def test_ledger_bounds_replicas_evicting_resolved_ones_first():
@@ -513,15 +511,14 @@ async def run_inline(fn, *args):
 def make_operator(tmp_path, state_io=run_inline) -> OperatorService:
     path = tmp_path / "op-a.yaml"
     path.write_text(operator_config("a", "b"))
-    return OperatorService(load_config(path, env={}), CollectorRegistry(),
-                           wall=lambda: WALL0 + trio.current_time(), state_io=state_io)
+    return OperatorService(load_config(path, env={}), CollectorRegistry(), wall=lambda: WALL0 + trio.current_time(),
+                           state_io=state_io)
 
 
 async def test_intake_acknowledges_exactly_and_persists_before_answering(tmp_path):
     op = make_operator(tmp_path)
     bad = report(1, 2, EV[0], EV[1])
-    assert await op.take_feedback(G1, bad) == FeedbackAck(reporter_epoch=EPOCH, sequence=1,
-                                                          status=ACK_ACCEPTED)
+    assert await op.take_feedback(G1, bad) == FeedbackAck(reporter_epoch=EPOCH, sequence=1, status=ACK_ACCEPTED)
     stored = GatewayEvidenceLedger.from_bytes((op.state.path / FEEDBACK_FILE).read_bytes())
     assert stored.unresolved() == ["g1"] and stored.replicas["g1"].evidence == [EV[0], EV[1]]
     # Replays are acknowledged again (idempotent) without rolling anything back.
@@ -531,8 +528,7 @@ async def test_intake_acknowledges_exactly_and_persists_before_answering(tmp_pat
     assert op.registry.get_sample_value("grid_signals_feedback_reports_accepted_total") == 3
     assert op.registry.get_sample_value("grid_signals_gateway_replicas_rejecting") == 1
     feedback = op.status()["gateway_feedback"]
-    assert feedback["replicas_rejecting"] == ["g1"] and feedback["reports_accepted"] == 3
-    assert feedback["stored"]
+    assert feedback["replicas_rejecting"] == ["g1"] and feedback["reports_accepted"] == 3 and feedback["stored"]
     assert feedback["conditions"][0]["status"] == "True"
 
 
@@ -563,8 +559,7 @@ async def test_intake_an_unreadable_ledger_starts_empty_and_says_so(tmp_path):
     feedback = op.status()["gateway_feedback"]
     assert feedback["conditions"] == [] and FEEDBACK_FILE in feedback["load_error"]
     await op.take_feedback(G1, report(1, 1, EV[0]))  # the next write replaces it
-    stored = GatewayEvidenceLedger.from_bytes((op.state.path / FEEDBACK_FILE).read_bytes())
-    assert stored.unresolved() == ["g1"]
+    assert GatewayEvidenceLedger.from_bytes((op.state.path / FEEDBACK_FILE).read_bytes()).unresolved() == ["g1"]
 
 
 async def test_intake_a_failed_write_is_not_acknowledged_as_accepted(tmp_path):
@@ -700,11 +695,9 @@ async def test_e2e_a_skewed_peer_is_reported_shown_and_resolved(fgrid, autojump_
     assert fgrid.skew_drops() == 1
     # b's batch is its fifth (the +4 scrape), the latest when a polled it at +5.
     assert fgrid.fault.reports_sent[-1] == FeedbackReport(
-        reporter_epoch=EPOCH, sequence=6, skew_drops=1,
-        evidence=(SkewEvidence("b", "pool-b", fgrid.epoch_b, 5),))
+        reporter_epoch=EPOCH, sequence=6, skew_drops=1, evidence=(SkewEvidence("b", "pool-b", fgrid.epoch_b, 5),))
     cond = fgrid.condition()
-    assert (cond["status"], cond["reason"]) == ("True", "SkewRejected")
-    assert "rejected 1 batch(es)" in cond["message"]
+    assert cond["status"] == "True" and cond["reason"] == "SkewRejected" and "rejected 1 batch(es)" in cond["message"]
     assert fgrid.operators["a"].registry.get_sample_value("grid_signals_gateway_replicas_rejecting") == 1
     assert reg.get_sample_value("grid_signals_feedback_pending_evidence") == 0  # delivered
     # Every poll drops b's batch again, until the gateway's clock is within 600 s of b's

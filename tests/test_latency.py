@@ -28,8 +28,7 @@ def epp(*, successes: float = 0, errors: float = 0, bad_requests: float = 0,
         # Two flows share the success count; put all of it on flow a.
         f'llm_d_epp_request_duration_seconds_count{{fairness_id="a",{M},priority="0"}} {successes}',
         f'llm_d_epp_request_duration_seconds_count{{fairness_id="b",{M},priority="0"}} 0',
-        f'llm_d_epp_request_error_total{{error_code="ModelServerError",fairness_id="a",{M},priority="0"}} '
-        f'{errors}',
+        f'llm_d_epp_request_error_total{{error_code="ModelServerError",fairness_id="a",{M},priority="0"}} {errors}',
         f'llm_d_epp_request_error_total{{error_code="BadRequest",fairness_id="a",model_name="",priority="0",'
         f'target_model_name=""}} {bad_requests}',
         f'llm_d_epp_request_streaming_tpot_seconds_sum{{fairness_id="a",{M},priority="0"}} {tpot_sum}',
@@ -237,8 +236,7 @@ def vllm(*, stop: float, abort: float, ttft: tuple[float, ...], tpot_sum: float,
         'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 1.0',
     ]
     for le, count in zip(("0.02", "0.04", "0.06", "+Inf"), ttft, strict=True):
-        lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{le}",model_name="m"}} '
-                     f'{count}')
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{le}",model_name="m"}} {count}')
     return parse_exposition("\n".join(lines) + "\n", WANTED_SAMPLES)
 
 

@@ -36,8 +36,7 @@ from gridd.core.shedding import ShedState
 DRAWS = 20_000
 
 
-def frequencies(snap: OrderedSnapshot, draws: int = DRAWS,
-                rule: PickRule = "two_choices") -> dict[str, float]:
+def frequencies(snap: OrderedSnapshot, draws: int = DRAWS, rule: PickRule = "two_choices") -> dict[str, float]:
     """How often each site is routed to (a Full pick counts its route)."""
     rng = random.Random(1234)
     counts: Counter[str] = Counter()
@@ -149,8 +148,7 @@ ROOM_AND_MORE = [view("a", 10.0, 0.2), view("b", 20.0, 0.5), view("c", 30.0, 0.8
 
 def test_spec_tiers_only_sites_with_room_take_part() -> None:
     views = ROOM_AND_MORE
-    assert_matches(frequencies(build_snapshot("m", views), rule="spec_tiers"),
-                   two_choice_probabilities(views[:3]))
+    assert_matches(frequencies(build_snapshot("m", views), rule="spec_tiers"), two_choice_probabilities(views[:3]))
 
 
 def test_two_choices_draws_over_every_fresh_site_and_a_site_with_room_wins() -> None:
@@ -204,8 +202,7 @@ def test_two_choices_with_exactly_two_fresh_takes_the_lower_rho_after_the_pick()
 
 def test_spec_tiers_two_exact_weights_example() -> None:
     # 30 / 1.5 = 20 against 10 / 1 = 10: a two thirds, b one third.
-    observed = frequencies(build_snapshot("m", [view("a", 30.0, 0.5), view("b", 10.0, 0.0)]),
-                           rule="spec_tiers")
+    observed = frequencies(build_snapshot("m", [view("a", 30.0, 0.5), view("b", 10.0, 0.0)]), rule="spec_tiers")
     assert_matches(observed, {"a": 2 / 3, "b": 1 / 3})
 
 
@@ -242,9 +239,7 @@ def test_spec_tiers_no_room_two_not_full_by_capacity_the_less_backlogged() -> No
 
 
 def test_spec_tiers_no_room_equal_backlog_goes_to_the_lower_rho() -> None:
-    snap = build_snapshot("m",
-                          [view("busier", 40.0, 1.9, queue_depth=4.0),
-                           view("busy", 20.0, 1.2, queue_depth=2.0)])
+    snap = build_snapshot("m", [view("busier", 40.0, 1.9, queue_depth=4.0), view("busy", 20.0, 1.2, queue_depth=2.0)])
     assert frequencies(snap, 2000, rule="spec_tiers") == {"busy": 1.0}
 
 
@@ -284,8 +279,7 @@ EVERY_FULL = [
 ]
 
 
-@pytest.mark.parametrize(("rule", "rank"),
-                         [("spec_tiers", less_backlogged), ("two_choices", by_tier_then_rho)])
+@pytest.mark.parametrize(("rule", "rank"), [("spec_tiers", less_backlogged), ("two_choices", by_tier_then_rho)])
 def test_every_healthy_site_full(rule: PickRule, rank: Rank) -> None:
     """Full, with the route to use when the model does not shed, drawn the same way."""
     snap = build_snapshot("m", EVERY_FULL)
@@ -319,8 +313,7 @@ def test_none_healthy_is_503_and_no_candidates_is_404(rule: PickRule) -> None:
 def test_stale_sites_are_drawn_by_capacity_when_no_fresh_one_is_left(rule: PickRule) -> None:
     snap = build_snapshot("m", [view("stale", 5.0, math.inf, stale=True), view("down", healthy=False)])
     assert pick(snap, random.Random(1234), rule=rule) == Route("stale", "p", "m", False, "stale")
-    two = build_snapshot("m",
-                         [view("s1", 30.0, math.inf, stale=True), view("s2", 10.0, math.inf, stale=True)])
+    two = build_snapshot("m", [view("s1", 30.0, math.inf, stale=True), view("s2", 10.0, math.inf, stale=True)])
     assert_matches(frequencies(two, rule=rule), {"s1": 0.75, "s2": 0.25})
 
 
@@ -427,8 +420,7 @@ _view = st.builds(
 @given(views=st.lists(_view, min_size=1, max_size=5), rule=st.sampled_from(PICK_RULES),
        pending=st.sampled_from([0.0, 0.3]))
 def test_pick_chances_are_the_frequencies_pick_draws(views, rule, pending) -> None:
-    views = [CandidateView(f"s{i}", v.provider, v.model, v.capacity, v.rho, full=v.full)
-             for i, v in enumerate(views)]
+    views = [CandidateView(f"s{i}", v.provider, v.model, v.capacity, v.rho, full=v.full) for i, v in enumerate(views)]
     snapshot = build_snapshot("m", views)
     extra = (lambda view: pending if view.site == "s0" else 0.0) if pending else None
     chances = pick_chances(snapshot, rule=rule, extra_rho=extra)

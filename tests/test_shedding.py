@@ -168,8 +168,7 @@ def test_retune_keeps_the_runs() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"full_after_s": -1.0}, {"room_after_s": 0.0}, {"room_after_s": float("inf")},
-     {"full_after_s": float("nan")}],
+    [{"full_after_s": -1.0}, {"room_after_s": 0.0}, {"room_after_s": float("inf")}, {"full_after_s": float("nan")}],
 )
 def test_knob_validation(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -179,8 +179,7 @@ inference_extension_flow_control_queue_size{fairness_id="f",inference_pool="p",p
 def test_legacy_twins_serve_an_older_epp():
     load = derive_text(LEGACY_ONLY, queue_full_at=2)
     assert load.ready_endpoints == 3
-    assert [(u.unit, u.waiting) for u in load.units] == [("a-rank-0", 3.0), ("b-rank-0", 1.0),
-                                                         ("c-rank-0", 2.0)]
+    assert [(u.unit, u.waiting) for u in load.units] == [("a-rank-0", 3.0), ("b-rank-0", 1.0), ("c-rank-0", 2.0)]
     assert load.kv_spread is None  # no std-dev gauge before llm-d-router v0.10
     # No in-flight producer: averages only, (4 + 2) x 3 = 18, + 5 flow-control = 23.
     assert load.in_flight == 23.0

@@ -166,8 +166,7 @@ def test_an_answer_whose_every_batch_is_dropped_is_no_routing_data():
     no routing data and must say so (503 naming the cause), not answer 404."""
     s = store(signal_ttl_s=20.0)
     ahead = int(WALL) + 3600  # publisher epochs an hour ahead of this gateway's clock
-    s.ingest([BatchFeed().batch("a", epoch=ahead), BatchFeed().batch("b", epoch=ahead)], now=0.0,
-             now_wall=WALL)
+    s.ingest([BatchFeed().batch("a", epoch=ahead), BatchFeed().batch("b", epoch=ahead)], now=0.0, now_wall=WALL)
     assert s.decide("m", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
     assert s.routing_data_problem(0.0) == (
         "no usable routing data from the operator: every batch of its answers was dropped (skew 2) (skew: "
@@ -191,8 +190,7 @@ def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
         s.ingest([feed.batch("a", ld=busy), feed.batch("b", ld=busy)], now=float(t), now_wall=WALL)
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1)), Shed)
     assert isinstance(s.decide("m", now=3.0, rng=random.Random(1), pinned_site="a"), Shed)
-    s.ingest([feed.batch("a", ld=load(ready=0)), feed.batch("b", ready=False, ld=busy)], now=4.0,
-             now_wall=WALL)
+    s.ingest([feed.batch("a", ld=load(ready=0)), feed.batch("b", ready=False, ld=busy)], now=4.0, now_wall=WALL)
     assert isinstance(s.decide("m", now=4.0, rng=random.Random(1)), Unavailable)
 
 
@@ -282,8 +280,7 @@ def test_reconfigure_applies_new_knobs_and_keeps_learned_state():
 
 def test_knob_defaults():
     assert RoutingKnobs() == RoutingKnobs(
-        signal_ttl_s=20.0, future_epoch_bound_s=600.0, capacity_floor=1.0, rho_smoothing=0.5,
-        recent_window_s=10.0,
+        signal_ttl_s=20.0, future_epoch_bound_s=600.0, capacity_floor=1.0, rho_smoothing=0.5, recent_window_s=10.0,
         unit_capacity=8.0, evidence_window_s=60.0, pick_rule="two_choices", pending_weight=4.0,
         candidate_retention_s=600.0, shedding=False, full_after_s=5.0, room_after_s=5.0)
     assert RoutingKnobs(unit_capacity=3.0).learner_args() == {

@@ -26,12 +26,10 @@ from gridd.wire import Batch, BatchOrder, LocalProvider, ServingConfig, SiteIngr
 
 WAITING = "performance.num_requests_waiting"
 # Spec 004's strategy.yaml.
-PERF = Strategy.of("performance_based",
-                   {"performance": {"num_requests_waiting": 5, "kv_cache_usage_perc": 0.9}},
+PERF = Strategy.of("performance_based", {"performance": {"num_requests_waiting": 5, "kv_cache_usage_perc": 0.9}},
                    [(WAITING, False)])
 SERVING = ServingConfig(
-    providers=(LocalProvider("llama", "m", "http://a-llama/v1"),
-               LocalProvider("probed", "m", "http://a-p/v1")),
+    providers=(LocalProvider("llama", "m", "http://a-llama/v1"), LocalProvider("probed", "m", "http://a-p/v1")),
     ingresses=(SiteIngress("b", "http://b-gw"), SiteIngress("c", "http://c-gw")),
 )
 
@@ -63,8 +61,7 @@ def test_a_value_over_a_bound_drops_and_a_missing_value_is_kept_and_sorted_last(
 def test_descending_keys_in_order_and_missing_last_whichever_the_direction():
     strategy = Strategy.of("s", {}, [("x", True), ("y", False)])
     snap = build_snapshot("m", [view("a"), view("b"), view("c"), view("d")])
-    values = values_of({"a": {"x": 1.0, "y": 5.0}, "b": {"x": 3.0}, "c": {"x": 1.0, "y": 2.0},
-                        "d": {"y": 0.0}})
+    values = values_of({"a": {"x": 1.0, "y": 5.0}, "b": {"x": 3.0}, "c": {"x": 1.0, "y": 2.0}, "d": {"y": 0.0}})
     ranks = explain_strategy(snap, strategy, values, rule="strict")
     assert [r.site for r in ranks] == ["b", "c", "a", "d"]
 
@@ -107,8 +104,7 @@ def test_a_probe_value_older_than_the_ttl_is_missing():
 
 
 def strategy_store(pick_rule: str = "two_choices", **table) -> GatewayStore:
-    s = GatewayStore(site="a",
-                     knobs=RoutingKnobs(strategies=StrategyTable(PERF, pick_rule=pick_rule, **table)))
+    s = GatewayStore(site="a", knobs=RoutingKnobs(strategies=StrategyTable(PERF, pick_rule=pick_rule, **table)))
     s.set_serving(SERVING)
     return s
 
@@ -142,8 +138,7 @@ def test_store_a_site_over_the_bound_gets_nothing_and_all_over_is_503():
 
 def test_store_excluded_wins_over_the_best_value():
     s, feed = strategy_store("strict"), BatchFeed()
-    s.ingest([with_probes(feed.batch("a", ready=False), {WAITING: 0.0}),
-              with_probes(feed.batch("b"), {WAITING: 4.0})],
+    s.ingest([with_probes(feed.batch("a", ready=False), {WAITING: 0.0}), with_probes(feed.batch("b"), {WAITING: 4.0})],
              now=0.0, now_wall=WALL)
     assert set(picks(s, 0.0)) == {"b"}  # a has the best value but is not ready
 
