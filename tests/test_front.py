@@ -254,8 +254,7 @@ def test_request_headers_drop_hop_by_hop_credentials_and_pins():
 def test_response_headers_drop_hop_by_hop_and_read_the_length():
     upstream = [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked"),
                 (b"Connection", b"keep-alive"), (b"Retry-After", b"3")]
-    assert response_headers(upstream) == ([(b"content-type", b"text/event-stream"),
-                                           (b"retry-after", b"3")], -1)
+    assert response_headers(upstream) == ([(b"content-type", b"text/event-stream"), (b"retry-after", b"3")], -1)
     assert response_headers([(b"content-length", b"42")]) == ([(b"content-length", b"42")], 42)
     assert response_headers([(b"content-length", b"x")]) == ([(b"content-length", b"x")], -1)
 
@@ -362,8 +361,7 @@ async def test_headers_reaching_providers_and_remote_sites(nursery):
     front = await start_front(nursery, FakeRouter("a", lambda model, pinned, exclude: route["to"]))
     async with httpx.AsyncClient() as client:
         headers = {"authorization": "Bearer client-key", "x-request-id": "r1", "cookie": "s=1",
-                   "x-llm-d-inference-fairness-id": "tenant-1", "connection": "keep-alive, x-hop",
-                   "x-hop": "1"}
+                   "x-llm-d-inference-fairness-id": "tenant-1", "connection": "keep-alive, x-hop", "x-hop": "1"}
         r = await client.post(f"{front.url}/v1/chat/completions?trace=1", json={"model": MODEL},
                               headers=headers)
         assert r.status_code == 200 and r.json() == {"ok": True}
@@ -447,8 +445,7 @@ async def test_without_routing_data_the_wait_is_bounded_then_503_names_the_cause
 
 
 async def test_every_site_over_the_strategys_bounds_is_a_503_that_says_so(nursery):
-    front = await start_front(nursery,
-                              FakeRouter("a", always(Unavailable(retry_after_s=5.0, cause="strategy"))))
+    front = await start_front(nursery, FakeRouter("a", always(Unavailable(retry_after_s=5.0, cause="strategy"))))
     exc = await trio.to_thread.run_sync(expect_error, front, openai.APIStatusError)
     assert exc.status_code == 503 and exc.response.json()["error"] == {
         "message": f"every site serving {MODEL!r} is over a bound of its routing strategy; retry later",
@@ -464,8 +461,7 @@ async def test_unknown_model_is_404_and_counted_as_other(nursery):
     assert "retry-after" not in exc.response.headers
     await front.counted(1)
     assert front.requests("unknown_model", model="other", site="none") == 1
-    assert front.sample("gridd_gateway_requests_total", model="nope", site="none",
-                        outcome="unknown_model") == 0
+    assert front.sample("gridd_gateway_requests_total", model="nope", site="none", outcome="unknown_model") == 0
 
 
 async def test_models_health_readiness_metrics_and_routes(nursery):
@@ -486,8 +482,7 @@ async def test_models_health_readiness_metrics_and_routes(nursery):
         assert (await client.get("/healthz")).status_code == 200
         await client.post("/v1/chat/completions", json={"model": MODEL})
         metrics = await client.get("/metrics")
-        shed = 'gridd_gateway_requests_total{model="sim-model",outcome="shed",site="none"} 1.0'
-        assert shed in metrics.text
+        assert 'gridd_gateway_requests_total{model="sim-model",outcome="shed",site="none"} 1.0' in metrics.text
         missing = await client.get("/v1/nothing")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
         wrong = await client.get("/v1/chat/completions")
@@ -945,8 +940,7 @@ async def test_events_that_arrive_together_are_relayed_in_one_send(nursery):
         async with stream:
             await stream.send_all(client.send(h11.Request(
                 method="POST", target="/v1/chat/completions",
-                headers=[("host", "t"), ("content-type", "application/json"),
-                         ("content-length", str(len(body)))]))
+                headers=[("host", "t"), ("content-type", "application/json"), ("content-length", str(len(body)))]))
                 + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage()))
             chunks = []
             while True:

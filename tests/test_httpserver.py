@@ -704,8 +704,7 @@ async def test_h11_a_trickled_body_gets_408_at_the_whole_body_deadline(autojump_
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(functools.partial(serve_asgi, app, ["127.0.0.1:0"]))
         stream = await trio.open_tcp_stream(*hostport(urls[0]))
-        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
-                              b"Content-Length: 1000\r\n\r\n")
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n")
         head_at = trio.current_time()
 
         async def trickle():
@@ -769,8 +768,7 @@ async def test_h11_connection_cap_refuses_with_503_when_every_connection_is_busy
                 answer = b""
                 while chunk := await stream.receive_some(4096):
                     answer += chunk
-            assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
-            assert b"connection: close" in answer
+            assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"connection: close" in answer
             await stream.aclose()
         refusals = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
         assert len(refusals) == 1 and "1 over the connection cap" in refusals[0]  # rate-limited: one line
@@ -799,25 +797,21 @@ async def test_h11_incomplete_bodies_across_connections_are_capped_oldest_upload
     async with serving(app, "h11", max_buffered_bytes=1000) as urls:
         # A complete body is the app's: it stops counting, however long its response takes.
         streaming = await RawClient.connect(urls[0])
-        await streaming.stream.send_all(b"POST /long-stream HTTP/1.1\r\nHost: t\r\n"
-                                        b"Content-Length: 1000\r\n\r\n" + b"s" * 1000)
+        await streaming.stream.send_all(b"POST /long-stream HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n"
+                                        + b"s" * 1000)
         await trio.testing.wait_all_tasks_blocked()
         slow = await RawClient.connect(urls[0])
-        await slow.stream.send_all(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 1200\r\n\r\n"
-                                   + b"x" * 600)
+        await slow.stream.send_all(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 1200\r\n\r\n" + b"x" * 600)
         await trio.testing.wait_all_tasks_blocked()
         quick = await RawClient.connect(urls[0])
-        await quick.stream.send_all(b"POST /quick HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n"
-                                    + b"y" * 600)
+        await quick.stream.send_all(b"POST /quick HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n" + b"y" * 600)
         assert (await quick.response())[0] == 200  # 600 + 600 > 1000: the older upload made room
         assert (await slow.response())[0] == 503
         alone = await RawClient.connect(urls[0])
-        await alone.stream.send_all(b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: 1001\r\n\r\n"
-                                    + b"z" * 1001)
+        await alone.stream.send_all(b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: 1001\r\n\r\n" + b"z" * 1001)
         assert (await alone.response())[0] == 503  # over the cap on its own
         exact = await RawClient.connect(urls[0])
-        await exact.stream.send_all(b"POST /exact HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n"
-                                    + b"e" * 1000)
+        await exact.stream.send_all(b"POST /exact HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"e" * 1000)
         assert (await exact.response())[0] == 200  # everything was released: exactly the cap fits
         release.set()
         assert (await streaming.response())[0] == 200
@@ -834,8 +828,7 @@ async def test_h11_content_length_with_transfer_encoding_is_400_and_closed():
     async with serving(app, "h11") as urls:
         stream = await trio.open_tcp_stream(*hostport(urls[0]))
         await stream.send_all(b"POST /smuggle HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
-                              b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-                              b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n")
+                              b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /second HTTP/1.1\r\nHost: t\r\n\r\n")
         with trio.fail_after(BOUND_S):
             answer = b""
             while chunk := await stream.receive_some(4096):

@@ -114,8 +114,7 @@ def test_custom_header_redaction(header, masked):
     ("http://h/metrics?api_key=${K}&x=1", "http://h/metrics?api_key=${K}&x=1"),
 ])
 def test_url_password_redaction(url, shown):
-    provider = {"name": "p", "metrics": {"url": url},
-                "settings": {"endpoint": url, "probes": [{"endpoint": url}]}}
+    provider = {"name": "p", "metrics": {"url": url}, "settings": {"endpoint": url, "probes": [{"endpoint": url}]}}
     out = redact_provider(provider)
     assert (out["metrics"]["url"], out["settings"]["endpoint"], out["settings"]["probes"][0]["endpoint"]) == (
         shown, shown, shown)
@@ -137,8 +136,7 @@ def test_upsert_merges_top_level_fields_and_replaces_settings_whole():
         {"name": "a", "model": "m", "settings": {"endpoint": "http://x/v1", "timeout": 9,
                                                   "probes": [{"name": "old"}]}, "enabled": False}]}
     before = copy.deepcopy(raw)
-    tree, written, created = upsert_provider(raw, "a",
-                                             {"settings": {"endpoint": "http://y/v1"}, "unavailable": True})
+    tree, written, created = upsert_provider(raw, "a", {"settings": {"endpoint": "http://y/v1"}, "unavailable": True})
     assert not created and raw == before
     assert written == {"name": "a", "model": "m", "settings": {"endpoint": "http://y/v1"}, "enabled": False,
                        "unavailable": True}
@@ -295,12 +293,9 @@ async def test_create_and_delete(tmp_path):
     ("local", {"settings": {"endpoint": "http://127.0.0.1:9/v1", "custom_headers": {}, "auth": {
         "scheme": "header", "header_name": "x-leak", "api_key": "${HOME}"}}},
      400, "unknown_placeholder", "placeholders the running config does not use: ${HOME}", None),
-    ("local", {"name": "other", "model": "m"}, 400, "name_mismatch",
-     "the body names provider 'other'", "name"),
-    ("secret",
-     {"settings": {"endpoint": "http://127.0.0.1:8090/v1", "auth": {"scheme": "bearer", "api_key": MASK}}},
-     400, "redacted_value", "settings.auth.api_key: the value is the redaction mask",
-     "settings.auth.api_key"),
+    ("local", {"name": "other", "model": "m"}, 400, "name_mismatch", "the body names provider 'other'", "name"),
+    ("secret", {"settings": {"endpoint": "http://127.0.0.1:8090/v1", "auth": {"scheme": "bearer", "api_key": MASK}}},
+     400, "redacted_value", "settings.auth.api_key: the value is the redaction mask", "settings.auth.api_key"),
 ])
 async def test_refused_posts_change_nothing(tmp_path, name, body, status, code, message, param):
     rig = ProvidersRig(tmp_path)
@@ -370,8 +365,7 @@ async def test_malformed_json_is_400(tmp_path, content, message):
     assert err["message"].startswith(message) and err["code"] == "invalid_json"
 
 
-@pytest.mark.parametrize(("levels", "code"),
-                         [(31, "invalid_config"), (32, "invalid_json"), (400, "invalid_json")])
+@pytest.mark.parametrize(("levels", "code"), [(31, "invalid_config"), (32, "invalid_json"), (400, "invalid_json")])
 async def test_nesting_bound(tmp_path, levels, code):
     """32 levels of containers pass the JSON check (and fail as config); deeper is refused
     before anything recursive (copy, YAML dump) sees it."""
@@ -404,8 +398,7 @@ async def test_rejected_reload_restores_the_file(tmp_path):
     assert resp.status_code == 409
     err = error_of(resp)
     assert err["code"] == "reload_rejected"
-    assert err["message"].endswith(
-        "the previous file is restored: listen.signals: changed; restart gridd to apply")
+    assert err["message"].endswith("the previous file is restored: listen.signals: changed; restart gridd to apply")
     # Byte for byte, comments included, and with its permission bits.
     assert rig.path.read_bytes() == before and rig.loaded is loaded
     assert stat.S_IMODE(os.stat(rig.path).st_mode) == 0o640
@@ -446,8 +439,7 @@ async def test_concurrent_mutations_are_serialized(tmp_path):
         for name in ("one", "two", "three"):
             nursery.start_soon(create, name)
     assert statuses == [201, 201, 201] and rig.reloads == 3
-    assert {p["name"] for p in rig.on_disk()["providers"]} == {"local", "keyed", "secret", "one",
-                                                               "two", "three"}
+    assert {p["name"] for p in rig.on_disk()["providers"]} == {"local", "keyed", "secret", "one", "two", "three"}
 
 
 async def test_admin_token(tmp_path):
@@ -503,8 +495,7 @@ async def test_operator_stage_guards_the_api(tmp_path, monkeypatch):
 def test_real_operator_serves_the_providers_api(tmp_path):
     sim_port, api_port = free_ports(2)
     config = (CONFIG.format(api='api: {admin_token: "${ADMIN_TOKEN}"}\n')
-              .replace("127.0.0.1:0", f"127.0.0.1:{api_port}")
-              .replace("localhost:8088", f"127.0.0.1:{sim_port}"))
+              .replace("127.0.0.1:0", f"127.0.0.1:{api_port}").replace("localhost:8088", f"127.0.0.1:{sim_port}"))
     config = config.replace("state_dir: state", "state_dir: state\ncontrol_socket: run/op.sock")
     path = tmp_path / "operator.yaml"
     path.write_text(config)
@@ -523,8 +514,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
                           "the operator serving")
         assert status["role_status"]["providers_api"] == {"listen": [base], "auth": "bearer",
                                                           "token_file": str(tmp_path / "state" / "api-token")}
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200,
-                   "the simulator")
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{sim_port}/metrics").status_code == 200, "the simulator")
 
         with httpx.Client(base_url=base, timeout=30) as client:
             assert client.get("/v1/providers").status_code == 401
@@ -617,8 +607,7 @@ def test_url_masking_gaps_closed(url, shown):
     # A stored literal key, a new metrics origin given its own auth naming no new secret: the
     # provider's key stays home; but moving the endpoint keeps the key only if re-supplied.
     ("secret", {"settings": {"endpoint": "http://evil.example/v1",
-                             "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}},
-     "settings.auth.api_key"),
+                             "auth": {"scheme": "bearer", "api_key": "${LLAMA_KEY}"}}}, "settings.auth.api_key"),
     # A placeholder the config uses, put into another origin's query string.
     ("keyed", {"metrics": {"url": "http://evil.example/m?k=${LLAMA_KEY}"}}, "metrics.url"),
     ("keyed", {"metrics": {"url": "http://127.0.0.1:8089/m",
@@ -684,8 +673,7 @@ async def test_writes_need_a_token_and_json_and_no_origin(tmp_path, headers, sta
     assert resp.status_code == status and error_of(resp)["code"] == code
     resp = await rig.anonymous.delete("/v1/providers/local", headers={k: v for k, v in headers.items()
                                                                      if k != "content-type"})
-    expected = 403 if "origin" in headers else 401 if "authorization" not in headers else 204
-    assert resp.status_code == expected
+    assert resp.status_code == (403 if "origin" in headers else 401 if "authorization" not in headers else 204)
     if resp.status_code != 204:
         assert rig.path.read_bytes() == before and rig.reloads == 0
 
@@ -699,8 +687,7 @@ async def test_loopback_reads_need_a_loopback_host(tmp_path, host, status):
     rig = ProvidersRig(tmp_path)
     resp = await rig.anonymous.get("/v1/providers", headers={"host": host})
     assert resp.status_code == status
-    # token: any Host
-    assert (await rig.client.get("/v1/providers", headers={"host": host})).status_code == 200
+    assert (await rig.client.get("/v1/providers", headers={"host": host})).status_code == 200  # token: any Host
 
 
 def test_api_token_file(tmp_path):
