@@ -35,7 +35,6 @@ import pathlib
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import httpx
 import trio
 import trio.lowlevel
 
+from gridd.childprocs import free_ports, stop_processes
+
 MODEL = "abuse-model"
 RUN_CAP_S = 240.0  # the whole benchmark, start to end
 IDLE_S = 6.0
@@ -55,18 +56,6 @@ GOOD_EVERY_S = 0.05
 TRICKLE_EVERY_S = 8.0
 BODY_BYTES = 1024 * 1024
 P99_BOUND_MS = 100.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def rss_mb(pid: int) -> float | None:
@@ -113,13 +102,14 @@ async def flood_peer(certs: pathlib.Path, site: str, port: int, names: int, long
                 continue
             n = next(polls)
             now_ms = int(time.time() * 1000)
-            batches = tuple(Batch(site=site, provider=f"flood-{n}-{i}", model=MODEL, published_ms=now_ms, age_s=0.0,
+            batches = tuple(Batch(site=site, provider=f"flood-{n}-{i}", model=MODEL,
+                                  published_ms=now_ms, age_s=0.0,
                                   revision=Revision("uid", 1, epoch, n + 1, 0), ready=True)
                             for i in range(names))
             if long_name_chars:  # the issue's 100 kB name that became a /metrics label
                 batches += (Batch(site=site, provider="long-" + "x" * long_name_chars, model=MODEL,
-                                  published_ms=now_ms, age_s=0.0, revision=Revision("uid", 1, epoch, n + 1, 0),
-                                  ready=True),)
+                                  published_ms=now_ms, age_s=0.0,
+                                  revision=Revision("uid", 1, epoch, n + 1, 0), ready=True),)
             await session.send(Batches(protocol=PROTOCOL_VERSION, sent_wall=time.time(), batches=batches))
 
     await serve_channel(f"127.0.0.1:{port}", lambda: ctx, handler)
@@ -156,7 +146,8 @@ class SlowBodies:
                     answer = b""
                     while chunk := await stream.receive_some(4096):
                         answer += chunk
-                    status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"
+                    answered = answer.startswith(b"HTTP/1.1 ")
+                    status = answer.split(b" ", 2)[1].decode() if answered else "closed"
                     self.answers[status] = self.answers.get(status, 0) + 1
                     self.closed_by_server += 1
                     nursery.cancel_scope.cancel()
@@ -200,7 +191,8 @@ class GoodClient(threading.Thread):
             while not self.stop.is_set():
                 start = time.perf_counter()
                 try:
-                    status = str(client.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body).status_code)
+                    url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
+                    status = str(client.post(url, json=body).status_code)
                 except httpx.HTTPError as exc:
                     status = type(exc).__name__
                 self.latencies_ms.append((time.perf_counter() - start) * 1000)
@@ -269,7 +261,8 @@ operator: {{url: "wss://127.0.0.1:{p['sig']}/signals"}}
 
 
 def operator_peer_status(ws: pathlib.Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+    out = subprocess.run([sys.executable, "-c",
+                          "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
                           "--socket", str(ws / "run" / "operator.sock"), "status", "--json"],
                          capture_output=True, text=True, timeout=30)
     status = json.loads(out.stdout)["status"]["role_status"]
@@ -294,7 +287,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--connections", type=int, default=2000)
     parser.add_argument("--flood-names", type=int, default=5000)
     parser.add_argument("--attack-s", type=float, default=40.0)
-    parser.add_argument("--initial-kib", type=int, default=16, help="body bytes each slow connection sends first")
+    parser.add_argument("--initial-kib", type=int, default=16,
+                        help="body bytes each slow connection sends first")
     parser.add_argument("--workspace", help="keep configs and logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -310,7 +304,8 @@ def main(argv: list[str]) -> int:
     ws.mkdir(parents=True, exist_ok=True)
     certs = ws / "certs"
     if not (certs / "ca.pem").exists():
-        subprocess.run([sys.executable, "-m", "gridd", "certs", "init", str(certs)], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "gridd", "certs", "init", str(certs)], check=True,
+                       capture_output=True)
     for site, role in (("a", ["--role", "operator"]), ("a", ["--role", "gateway", "--replica", "g1"]),
                        ("b", ["--role", "operator"])):
         subprocess.run([sys.executable, "-m", "gridd", "certs", "issue", "--site", site, *role, str(certs)],
@@ -320,7 +315,8 @@ def main(argv: list[str]) -> int:
     procs: dict[str, subprocess.Popen] = {}
     stop = threading.Event()
     try:
-        procs["sim"] = gridd("sim", "--port", str(p["sim"]), "--model", MODEL, "--endpoints", "4", "--max-seqs", "16",
+        procs["sim"] = gridd("sim", "--port", str(p["sim"]), "--model", MODEL, "--endpoints", "4",
+                             "--max-seqs", "16",
                              "--ttft-s", "0.002", "--tpot-s", "0.001", "--pool", "pool-a", log=ws / "sim.log")
         procs["operator"] = gridd("run", "--config", str(ws / "operator.yaml"), log=ws / "operator.log")
         procs["gateway"] = gridd("run", "--config", str(ws / "gateway.yaml"), log=ws / "gateway.log")
@@ -341,9 +337,10 @@ def main(argv: list[str]) -> int:
         good_before = len(good.latencies_ms)
         statuses_before = dict(good.statuses)
 
-        procs["peer"] = subprocess.Popen([sys.executable, __file__, "flood-peer", "--certs", str(certs), "--port",
-                                          str(p["peer"]), "--names", str(args.flood_names)],
-                                         stdout=subprocess.DEVNULL, stderr=open(ws / "peer.log", "ab"))  # noqa: SIM115
+        procs["peer"] = subprocess.Popen([sys.executable, __file__, "flood-peer", "--certs", str(certs),
+                                          "--port", str(p["peer"]), "--names", str(args.flood_names)],
+                                         stdout=subprocess.DEVNULL,
+                                         stderr=open(ws / "peer.log", "ab"))  # noqa: SIM115
         attack_start = time.monotonic()
         slow = SlowBodies(p["gw"], args.connections, b"{" + b" " * (args.initial_kib * 1024 - 1))
         trio.run(slow.run, min(args.attack_s, run_deadline - time.monotonic() - 20))
@@ -360,9 +357,9 @@ def main(argv: list[str]) -> int:
 
         if args.workspace:
             print(f"workspace {ws} (configs, certificates, logs)")
-        print(f"attack: {args.connections} slow-body connections to the gateway ({args.initial_kib} KiB, then 1 byte "
-              f"per {TRICKLE_EVERY_S:g} s) + a peer flooding {args.flood_names} new provider names per 1 s poll, "
-              f"for {attack_end - attack_start:.1f} s")
+        print(f"attack: {args.connections} slow-body connections to the gateway ({args.initial_kib} KiB, "
+              f"then 1 byte per {TRICKLE_EVERY_S:g} s) + a peer flooding {args.flood_names} new provider "
+              f"names per 1 s poll, for {attack_end - attack_start:.1f} s")
         for name in sampler.pids:
             print(f"{name}: idle_rss_mb={idle[name]:.1f} peak_rss_mb={peak[name]:.1f} "
                   f"ratio={peak[name] / idle[name]:.2f} peak_fds={sampler.fds[name]}")
@@ -371,9 +368,11 @@ def main(argv: list[str]) -> int:
         print(f"peer flood at the operator: {json.dumps(flood, sort_keys=True)}")
         for name in ("gateway", "operator"):
             lines = (ws / f"{name}.log").read_text(errors="replace").splitlines()
-            print(f"{name} log: {len(lines)} lines in all, {sum('refusing' in line for line in lines)} about refusals")
+            refusals = sum("refusing" in line for line in lines)
+            print(f"{name} log: {len(lines)} lines in all, {refusals} about refusals")
         print(f"well-behaved client during the attack: requests={len(latencies)} statuses={statuses} "
-              f"p50_ms={pct(latencies, 0.50):.1f} p99_ms={pct(latencies, 0.99):.1f} max_ms={max(latencies):.1f}")
+              f"p50_ms={pct(latencies, 0.50):.1f} p99_ms={pct(latencies, 0.99):.1f} "
+              f"max_ms={max(latencies):.1f}")
         ok = (all(peak[name] < 2 * idle[name] for name in sampler.pids) and latencies
               and set(statuses) == {"200"} and pct(latencies, 0.99) < P99_BOUND_MS)
         print(f"run_s={time.monotonic() - started:.1f}")
@@ -381,14 +380,7 @@ def main(argv: list[str]) -> int:
         return 0 if ok else 1
     finally:
         stop.set()
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs.values(), grace_s=20)
         if not args.workspace:
             shutil.rmtree(ws, ignore_errors=True)
 
@@ -399,7 +391,8 @@ def flood_main(argv: list[str]) -> int:
     parser.add_argument("--site", default="b")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--names", type=int, default=5000)
-    parser.add_argument("--long-name-chars", type=int, default=0, help="also send one name this long per poll")
+    parser.add_argument("--long-name-chars", type=int, default=0,
+                        help="also send one name this long per poll")
     args = parser.parse_args(argv)
     try:
         trio.run(flood_peer, pathlib.Path(args.certs), args.site, args.port, args.names, args.long_name_chars)

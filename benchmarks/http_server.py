@@ -7,8 +7,9 @@ the parent drives load over loopback with raw keep-alive sockets (a minimal HTTP
 the load generator costs as little as possible). With 2 or more cores the child is pinned to
 CPU 1 and the parent to CPU 0; load generator and server still share one machine.
 
-Figures are per round, then the median over rounds. Every phase is bounded by a request count and a time cap (PHASE_CAP_S); a phase that hits the
-cap is flagged "capped" in the table. Rounds alternate the backends to spread drift evenly.
+Figures are per round, then the median over rounds. Every phase is bounded by a request count
+and a time cap (PHASE_CAP_S); a phase that hits the cap is flagged "capped" in the table. Rounds
+alternate the backends to spread drift evenly.
 Last line: h11_vs_hypercorn_rps_ratio=<small GET req/s at concurrency 8, h11 / hypercorn>.
 """
 
@@ -27,8 +28,9 @@ from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
     PhaseResult,
     pct,
     run_phase,
-    stop_child,
 )
+
+from gridd.childprocs import stop_processes
 
 BACKENDS = ("h11", "hypercorn")
 CHILD_START_CAP_S = 20.0
@@ -150,7 +152,7 @@ def start_child(backend: str, cpu: int | None) -> tuple[subprocess.Popen, str, i
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
     if not ready:
-        stop_child(child)
+        stop_processes([child], grace_s=5)
         raise RuntimeError(f"{backend} server did not start within {CHILD_START_CAP_S}s")
     url = child.stdout.readline().strip()
     hostport = url.removeprefix("http://")
@@ -195,7 +197,7 @@ def main() -> None:
 
                 trio.run(drive)
             finally:
-                stop_child(child)
+                stop_processes([child], grace_s=5)
             rates = " ".join(
                 f"{key}={len(runs[-1].total_s) / runs[-1].wall_s:.0f}/s"
                 for key, runs in results[backend].items()

@@ -110,7 +110,8 @@ def pct(samples: list[int], q: float) -> float:
 
 def main() -> None:
     print(f"python {sys.version.split()[0]}; {ITERATIONS} timed calls per case after {WARMUP} warm-up")
-    print(f"{'candidates':>10} {'impl':>12} {'p50_us':>8} {'p99_us':>8} {'mean_us':>8}  snapshot_build_p50_us")
+    print(f"{'candidates':>10} {'impl':>12} {'p50_us':>8} {'p99_us':>8} {'mean_us':>8}  "
+          "snapshot_build_p50_us")
     gridd_p50: dict[int, float] = {}
     for n in SIZES:
         cands = make_candidates(n, random.Random(n))
@@ -127,7 +128,8 @@ def main() -> None:
         for name, samples, extra in (("gridd", ours, f"{build_us:.1f}"), ("naive-scan", naive, "-")):
             print(f"{n:>10} {name:>12} {pct(samples, 0.50):>8.2f} {pct(samples, 0.99):>8.2f} "
                   f"{statistics.fmean(samples) / 1000.0:>8.2f}  {extra}")
-        print(f"{n:>10} {'speedup p50':>12} {pct(naive, 0.50) / pct(ours, 0.50):>8.1f}x  (room: {len(snap.room)})")
+        print(f"{n:>10} {'speedup p50':>12} {pct(naive, 0.50) / pct(ours, 0.50):>8.1f}x  (room: "
+              f"{len(snap.room)})")
     print(f"pick_p50_us={gridd_p50[8]:.2f}")
 
 

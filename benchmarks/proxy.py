@@ -47,8 +47,9 @@ from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
     PhaseResult,
     pct,
     run_phase,
-    stop_child,
 )
+
+from gridd.childprocs import stop_processes
 
 CHILD_START_CAP_S = 20.0
 MODEL = "sim-model"
@@ -157,7 +158,7 @@ def start_child(role: str, cpu: int | None, src: str, upstreams: tuple[str, ...]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
     if not ready:
-        stop_child(child)
+        stop_processes([child], grace_s=5)
         raise RuntimeError(f"{role} did not start within {CHILD_START_CAP_S}s")
     return child, child.stdout.readline().strip()
 
@@ -256,10 +257,9 @@ def main() -> None:
 
             trio.run(drive)
         finally:
-            for child in (front, *replicas):
-                stop_child(child)
+            stop_processes([front, *replicas], grace_s=5)
     finally:
-        stop_child(sim)
+        stop_processes([sim], grace_s=5)
 
     def pooled(path: str, key: str, attr: str) -> list[float]:
         return [v for run in results[path][key] for v in getattr(run, attr)]
@@ -267,9 +267,11 @@ def main() -> None:
     def rate(path: str, key: str) -> float:
         return statistics.median(len(r.total_s) / r.wall_s for r in results[path][key])
 
-    capped = sorted({key for path in paths for key, runs in results[path].items() if any(r.capped for r in runs)})
+    capped = sorted({key for path in paths for key, runs in results[path].items()
+                     if any(r.capped for r in runs)})
     print(f"# {len(cpus)} CPUs; simulator on CPU {sim_cpu}, front and load generator on CPU {load_cpu}"
-          + (f" ({args.replicas} front replicas sharing the port, one per CPU in turn)" if args.replicas > 1 else "")
+          + (f" ({args.replicas} front replicas sharing the port, one per CPU in turn)"
+             if args.replicas > 1 else "")
           + "; "
           f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
           + (f"; CAPPED: {', '.join(capped)}" if capped else ""))
@@ -289,7 +291,8 @@ def main() -> None:
     first_g = pct(pooled("gateway", "stream_c1", "first_s"), 0.5)
     print(f"# streamed, concurrency 1: first chunk p50 direct {first_d:.3f} ms, gateway {first_g:.3f} ms")
     print(f"rps_c64={rate('gateway', 'chat_c64'):.0f}")
-    added = pct(pooled("gateway", "chat_c1", "total_s"), 0.5) - pct(pooled("direct", "chat_c1", "total_s"), 0.5)
+    added = (pct(pooled("gateway", "chat_c1", "total_s"), 0.5)
+             - pct(pooled("direct", "chat_c1", "total_s"), 0.5))
     print(f"added_p50_ms={added:.3f}")
 
 

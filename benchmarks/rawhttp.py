@@ -7,7 +7,6 @@ phase is bounded in count (connections x requests) and in time (PHASE_CAP_S).
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -138,11 +137,3 @@ def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
 
-
-def stop_child(child: subprocess.Popen) -> None:
-    child.terminate()
-    try:
-        child.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait(timeout=5)

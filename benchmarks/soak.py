@@ -32,14 +32,15 @@ import argparse
 import json
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from abuse import free_ports, open_fds, pct, rss_mb, wait_for  # noqa: E402 - the benchmarks' shared helpers
+from abuse import open_fds, pct, rss_mb, wait_for  # noqa: E402 - the benchmarks' shared helpers
+
+from gridd.childprocs import free_ports, stop_processes  # noqa: E402
 
 MODEL = "soak-model"
 REQUEST_BOUND_S = 120.0
@@ -206,17 +207,11 @@ limits: {{http_max_connections: {self.max_connections}}}
         log.close()
 
     def stop(self, name: str, grace_s: float = 20.0) -> None:
-        proc = self.procs.pop(name)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=grace_s)
+        stop_processes([self.procs.pop(name)], grace_s=grace_s)
 
     def stop_all(self) -> None:
-        for name in list(self.procs):
-            self.stop(name)
+        procs, self.procs = list(self.procs.values()), {}
+        stop_processes(procs, grace_s=20.0)
 
     def sim_admin(self, site: str, **knobs) -> dict:
         import httpx

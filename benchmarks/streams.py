@@ -33,7 +33,9 @@ import time
 
 import trio
 from proxy import CHAT_STREAM, hostport, post, start_child  # benchmarks/ is sys.path[0]
-from rawhttp import CONNECT_CAP_S, pct, stop_child
+from rawhttp import CONNECT_CAP_S, pct
+
+from gridd.childprocs import stop_processes
 
 MAX_CONCURRENCY = 5000
 MAX_HOLD_S = 600.0
@@ -96,7 +98,8 @@ async def upstream_counts(host: str, port: int) -> tuple[float, float]:
     found = {name: sum(float(v) for v in re.findall(rb"^" + name.encode() + rb"\{[^}]*\} (\S+)$", text, re.M))
              for name in ("gridd_gateway_upstream_connections_opened_total",
                           "gridd_gateway_upstream_requests_sent_total")}
-    return found["gridd_gateway_upstream_connections_opened_total"], found["gridd_gateway_upstream_requests_sent_total"]
+    return (found["gridd_gateway_upstream_connections_opened_total"],
+            found["gridd_gateway_upstream_requests_sent_total"])
 
 
 async def drive(front_pid: int, host: str, port: int, targets: list[tuple[str, int]], concurrency: int,
@@ -123,8 +126,8 @@ async def drive(front_pid: int, host: str, port: int, targets: list[tuple[str, i
             window.first_s.append(first)
             window.total_s.append(total)
 
-    print("| t s | streams/s | first p50 ms | first p99 ms | total p50 s | total p99 s | failed | front CPU % "
-          "| RSS MB | fds | new upstream conns/request |")
+    print("| t s | streams/s | first p50 ms | first p99 ms | total p50 s | total p99 s | failed "
+          "| front CPU % | RSS MB | fds | new upstream conns/request |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     async def rows() -> None:
@@ -184,9 +187,9 @@ def main() -> None:
     if other_cpu is not None:
         os.sched_setaffinity(0, {other_cpu})
     print(f"# {len(cpus)} CPUs: front on CPU {front_cpu}, simulators and clients on CPU {other_cpu}; "
-          f"{args.concurrency} clients {'straight to the simulators' if args.direct else 'through the front'} "
-          f"for {args.hold_s:.0f} s, a new connection per stream; backend "
-          f"stream {BACKEND_STREAM_S:.2f} s; src {src}", flush=True)
+          f"{args.concurrency} clients "
+          f"{'straight to the simulators' if args.direct else 'through the front'} for {args.hold_s:.0f} s, "
+          f"a new connection per stream; backend stream {BACKEND_STREAM_S:.2f} s; src {src}", flush=True)
     sims = [start_child("sim", other_cpu, src, knobs=SIM_KNOBS) for _ in range(2)]
     try:
         front, front_url = start_child("front", front_cpu, src, upstreams=tuple(url for _, url in sims))
@@ -195,10 +198,9 @@ def main() -> None:
             result = trio.run(drive, front.pid, *hostport(front_url), targets, args.concurrency, args.hold_s,
                               args.row_s)
         finally:
-            stop_child(front)
+            stop_processes([front], grace_s=5)
     finally:
-        for child, _ in sims:
-            stop_child(child)
+        stop_processes([child for child, _ in sims], grace_s=5)
     first, total = result["first"], result["total"]
     if not total:
         print("no stream finished")

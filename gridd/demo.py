@@ -14,13 +14,14 @@ import collections
 import contextlib
 import io
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
+
+from gridd.childprocs import stop_processes
 
 MODEL = "demo-model"
 
@@ -162,11 +163,4 @@ def main(argv: list[str]) -> int:
         print(f"gridd demo: {exc}; see {ws}/logs/", file=sys.stderr)
         return 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, grace_s=15)

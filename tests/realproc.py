@@ -6,13 +6,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from gridd.childprocs import stop_processes
 
 # An operator of ``site`` with mutual TLS from ``{certs}/`` (made by ``gridd certs``), its
 # metrics and signals listeners on loopback, run and state directories of its own.
@@ -31,19 +32,6 @@ peers:
 {peers}
 timings: {timings}
 """
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held together while chosen, so they differ)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def series(text: str, family: str, **labels: str) -> list[tuple[dict[str, str], float]]:
@@ -70,16 +58,6 @@ def wait_until(check, what: str, deadline_s: float = 30.0):
             last = exc
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}: {last!r}")
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within grace_s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=grace_s)
 
 
 class Processes:
@@ -109,8 +87,8 @@ class Processes:
         """``prefix`` goes before the command, e.g. ``ip netns exec NS`` (which execs it, so
         the pid is gridd's own)."""
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "gridd", *args], stdout=log, stderr=log, cwd=self.dir,
-                                env=None if env is None else {**os.environ, **env})
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "gridd", *args], stdout=log, stderr=log,
+                                cwd=self.dir, env=None if env is None else {**os.environ, **env})
         log.close()
         self.procs[name] = proc
         return proc
@@ -130,7 +108,7 @@ class Processes:
         return proc.wait(timeout=20)
 
     def stop_all(self) -> None:
-        stop_all(list(self.procs.values()))
+        stop_processes(self.procs.values(), grace_s=10)
 
     def sim_url(self, name: str) -> str:
         def url() -> str | None:
@@ -142,8 +120,10 @@ class Processes:
 
 def gridctl(sock, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run gridctl against the control socket ``sock`` (the installed console script's code)."""
-    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30, input=stdin)
+    return subprocess.run([sys.executable, "-c",
+                           "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                           "--socket", str(sock), *args], capture_output=True, text=True, timeout=30,
+                          input=stdin)
 
 
 def gridctl_status(sock) -> dict | None:
@@ -156,15 +136,3 @@ def start_gridd(*args: str, env: dict[str, str] | None = None, stderr=subprocess
     return subprocess.Popen([sys.executable, "-m", "gridd", *args], stderr=stderr,
                             text=stderr is subprocess.PIPE, env=env if env is not None else dict(os.environ))
 
-
-def stop_all(procs) -> None:
-    """SIGTERM every process still running, then wait (10 s each) or kill."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 import pytest
+import support
 
+from gridd.core import admission
 from gridd.core.admission import (
     ACCEPTED,
     DROP_REASONS,
@@ -18,10 +21,10 @@ from gridd.core.admission import (
     AdmissionFences,
     Outcome,
 )
-from gridd.core.batch import WIRE_INT_MAX, Batch, Cursor, with_added_age
+from gridd.core.batch import Batch, Cursor, with_added_age
 from gridd.core.feedback_values import SkewEvidence
 from gridd.core.payload import validate_payload
-from gridd.core.readings import LatencyBlock, LoadSignals, Revision, UnitLoad, sample_count
+from gridd.core.readings import LatencyBlock, LoadSignals, UnitLoad, sample_count
 
 NOW = 1_790_000_000.0  # the receiver's wall clock, seconds
 E = 1_789_990_000  # a publisher epoch taken at operator start, before NOW
@@ -38,37 +41,16 @@ LOAD = LoadSignals(
 )
 
 
-def batch(
-    epoch: int | None = E,
-    seq: int = 1,
-    *,
-    site: str = "b",
-    provider: str = "m",
-    complete: bool = True,
-    load: LoadSignals | None = LOAD,
-    samples: int | None = None,
-    published_ms: int | None = None,
-    age_s: float = 0.0,
-    ready: bool | None = True,
-    probes: dict[str, float] | None = None,
-) -> Batch:
-    if samples is None:
-        samples = sample_count(load) if load is not None else 0
-    revision = None if epoch is None else Revision("u1", 7, epoch, seq, samples)
-    return Batch(
-        site=site,
-        provider=provider,
-        model="Qwen/Qwen3.5-9B",
-        published_ms=int(NOW * 1000) - 10_000 + seq if published_ms is None else published_ms,
-        age_s=age_s,
-        revision=revision,
-        complete=complete,
-        ready=ready,
-        ready_reason="Ready",
-        load=load,
-        latency=LatencyBlock(30.0, 25, 0.1, 0.2, 0.01, 0.0),
-        probes={"performance.num_requests_waiting": 1.0} if probes is None else probes,
-    )
+# Every batch here is a complete reading of LOAD with a latency block and one probe value
+# unless a test says otherwise.
+batch = partial(
+    support.batch,
+    model="Qwen/Qwen3.5-9B",
+    ready_reason="Ready",
+    load=LOAD,
+    latency=LatencyBlock(30.0, 25, 0.1, 0.2, 0.01, 0.0),
+    probes={"performance.num_requests_waiting": 1.0},
+)
 
 
 def dropped(reason: str) -> str:
@@ -322,13 +304,15 @@ def test_skew_evidence_is_bounded_and_deduplicated():
     assert fences.drops()["skew"] == SKEW_EVIDENCE_MAX + 7
 
 
-def test_drop_counters_latch_instead_of_wrapping():
+def test_drop_counters_latch_instead_of_wrapping(monkeypatch):
+    # The counters latch at the wire's integer maximum (2**53 - 1), lowered here to 2 so
+    # that three drops pass it.
+    monkeypatch.setattr(admission, "WIRE_INT_MAX", 2)
     fences = AdmissionFences()
-    fences._drops["stale_order"] = WIRE_INT_MAX - 1
     fences.admit(batch(E, 2), now_wall=NOW, verified_site=None)
     for _ in range(3):
         fences.admit(batch(E, 1), now_wall=NOW, verified_site=None)
-    assert fences.drops()["stale_order"] == WIRE_INT_MAX
+    assert fences.drops()["stale_order"] == 2
 
 
 def test_decode_errors_are_counted():

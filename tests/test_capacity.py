@@ -4,6 +4,7 @@ what counts as evidence: the routing-quality issue, gridd/core/capacity.py)."""
 from __future__ import annotations
 
 import pytest
+from support import LearnerFeed, epp, rev
 
 from gridd.core.capacity import (
     DEFAULT_EVIDENCE_WINDOW_S,
@@ -19,19 +20,7 @@ from gridd.core.capacity import (
     serving_units,
     work_waiting,
 )
-from gridd.core.readings import LoadSignals, Revision, UnitLoad
-
-
-def rev(seq: int, *, uid: str = "u1", gen: int = 7, epoch: int = 1, samples: int = 3) -> Revision:
-    return Revision(provider_uid=uid, generation=gen, publisher_epoch=epoch, batch_sequence=seq,
-                    batch_samples=samples)
-
-
-def epp(running: float, waiting: float = 0.0, *, ready: int = 2, flow: float = 0.0,
-        kv: float | None = None, spread: float | None = None, queue_full: int = 0) -> LoadSignals:
-    """An EPP pool reading without per-endpoint series: pool means x ready endpoints."""
-    return LoadSignals(ready_endpoints=ready, avg_running=running, avg_waiting=waiting, flow_queue=flow,
-                       kv_mean=kv, kv_spread=spread, queue_full_units=queue_full)
+from gridd.core.readings import LoadSignals, UnitLoad
 
 
 def vllm(*engines: tuple[float, float], kv: float | None = None) -> LoadSignals:
@@ -50,20 +39,6 @@ def endpoints(*units: tuple[float, float | None], avg_running: float) -> LoadSig
     return LoadSignals(ready_endpoints=n, units=tuple(UnitLoad(f"u{i}", waiting=w, in_flight=f)
                                                       for i, (w, f) in enumerate(units)),
                        avg_running=avg_running, avg_waiting=sum(w for w, _ in units) / n)
-
-
-class Feed:
-    """Drives one learner with consecutive sequences of one revision identity."""
-
-    def __init__(self, learner: CapacityLearner) -> None:
-        self.learner = learner
-        self.seq = 0
-
-    def __call__(self, now: float, load: LoadSignals, *, uid: str = "u1", gen: int = 7, epoch: int = 1,
-                 samples: int = 3, complete: bool = True) -> None:
-        self.seq += 1
-        self.learner.observe(now, rev(self.seq, uid=uid, gen=gen, epoch=epoch, samples=samples), load,
-                             complete=complete, new_sample=True)
 
 
 # --- in-flight and the waiting tests ------------------------------------------------------
@@ -210,7 +185,7 @@ CAPACITY_CASES = [
 @pytest.mark.parametrize(("case", "knobs", "samples", "expected"), CAPACITY_CASES,
                          ids=[c[0] for c in CAPACITY_CASES])
 def test_capacity(case: str, knobs: dict[str, float], samples: list[LoadSignals], expected: float) -> None:
-    feed = Feed(CapacityLearner(**knobs))
+    feed = LearnerFeed(CapacityLearner(**knobs))
     for t, load in enumerate(samples):
         feed(float(t), load)
     assert feed.learner.capacity(float(len(samples) - 1)) == expected
@@ -227,7 +202,7 @@ def test_nothing_learned_without_revision_metadata_but_the_unit_count_is_read() 
 
 
 def test_soft_and_hard_evidence_per_unit() -> None:
-    feed = Feed(CapacityLearner())
+    feed = LearnerFeed(CapacityLearner())
     feed(0.0, epp(4.0))  # 4 per unit, nothing queued
     feed(1.0, epp(6.0))
     feed(2.0, epp(5.0))
@@ -250,7 +225,7 @@ EVIDENCE_AGE_CASES = [
 def test_evidence_counts_until_exactly_the_evidence_window(case: str, sample: LoadSignals, window: float,
                                                            counting: float, aged: float) -> None:
     learner = CapacityLearner(evidence_window_s=window)
-    Feed(learner)(0.0, sample)
+    LearnerFeed(learner)(0.0, sample)
     assert learner.capacity(0.0) == counting
     assert learner.capacity(window - 0.001) == counting
     assert learner.capacity(window) == aged
@@ -259,7 +234,7 @@ def test_evidence_counts_until_exactly_the_evidence_window(case: str, sample: Lo
 
 def test_the_mean_limit_follows_the_samples_still_in_the_window() -> None:
     learner = CapacityLearner()
-    feed = Feed(learner)
+    feed = LearnerFeed(learner)
     feed(0.0, epp(8.0, 2.0))  # a limit of 8 per unit
     feed(30.0, epp(4.0, 1.0))  # and of 4
     assert learner.unit_bounds(59.999) == (None, 6.0)
@@ -269,7 +244,7 @@ def test_the_mean_limit_follows_the_samples_still_in_the_window() -> None:
 
 
 def test_retune_keeps_the_evidence_and_applies_the_new_knobs() -> None:
-    feed = Feed(CapacityLearner())
+    feed = LearnerFeed(CapacityLearner())
     feed(0.0, epp(4.0))  # soft 4: the prior 8 stands above 1.5 x 4
     assert feed.learner.capacity(0.0) == 16.0
     feed.learner.retune(floor=1.0, alpha=0.5, recent_window_s=10.0, unit_capacity=4.0,
@@ -285,7 +260,7 @@ def test_retune_keeps_the_evidence_and_applies_the_new_knobs() -> None:
 
 def test_rho_is_the_nearer_of_count_over_bound_and_kv_mean_plus_spread() -> None:
     learner = CapacityLearner(floor=1.0, alpha=1.0)  # alpha 1: no smoothing, raw rho visible
-    feed = Feed(learner)
+    feed = LearnerFeed(learner)
     feed(0.0, epp(4.0, kv=0.125, spread=0.125))  # capacity 16 (prior): max(8/16, 0.25)
     assert learner.in_flight == 8.0
     assert learner.rho == 0.5
@@ -297,7 +272,7 @@ def test_rho_is_the_nearer_of_count_over_bound_and_kv_mean_plus_spread() -> None
 
 def test_rho_is_read_against_the_bound_this_sample_just_taught() -> None:
     learner = CapacityLearner(alpha=1.0)
-    feed = Feed(learner)
+    feed = LearnerFeed(learner)
     feed(0.0, epp(10.0))  # soft 10 per unit: capacity 30
     feed(1.0, epp(7.0, 7.0))  # a limit of 7 per unit: 28 in flight read against 14
     assert learner.rho == 2.0
@@ -335,7 +310,7 @@ def test_delayed_batch_of_the_same_identity_is_not_taken() -> None:
 
 def test_no_pressure_in_a_sample_leaves_rho_alone() -> None:
     learner = CapacityLearner(alpha=1.0)
-    feed = Feed(learner)
+    feed = LearnerFeed(learner)
     feed(0.0, epp(2.0))
     feed(1.0, LoadSignals(ready_endpoints=0))
     assert learner.in_flight is None
@@ -346,8 +321,8 @@ def test_no_pressure_in_a_sample_leaves_rho_alone() -> None:
 
 # --- reset rules (spec: Provider revisions) -------------------------------------------------
 
-def _learned(now: float = 0.0) -> Feed:
-    feed = Feed(CapacityLearner(alpha=1.0))
+def _learned(now: float = 0.0) -> LearnerFeed:
+    feed = LearnerFeed(CapacityLearner(alpha=1.0))
     feed(now, epp(10.0))  # soft 10 per unit
     feed(now + 1.0, epp(8.0, 1.0))  # a limit of 8 per unit: capacity 2 x min(15, 8) = 16, rho 18/16
     assert feed.learner.unit_bounds(now + 1.0) == (10.0, 8.0)

@@ -8,7 +8,6 @@ streams under MockClock and are asserted exactly.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import random
@@ -20,12 +19,9 @@ import pytest
 import trio
 import trio.testing
 import trio_websocket
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import CollectorRegistry
+from support import Issuer, just_before, settle_at
 
-from gridd import certs
 from gridd.config import load_config, parse_config
 from gridd.core.holdings import Holdings
 from gridd.core.readings import Revision
@@ -41,7 +37,7 @@ from gridd.link.serve import ChannelLimits, ChannelServer, serve_channel
 from gridd.link.session import WS_MAX_MESSAGE_BYTES, ChannelError
 from gridd.operator.channel_setup import ChannelMetrics
 from gridd.operator.relay import RelayEndpoint, serving_config_for
-from gridd.tls import PeerIdentity, client_context, server_context
+from gridd.tls import PeerIdentity, client_context
 from gridd.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -92,58 +88,14 @@ peers:
 """
 
 
-class Issuer:
-    """A grid CA writing leaf certificates and contexts into a directory."""
-
-    def __init__(self, directory: Path, trust_domain: str = TD) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.dir = directory
-        self.ca_cert, self.ca_key = certs.create_ca(trust_domain, now=time.time(), days=2)
-        self.ca_file = str(directory / "ca.pem")
-        Path(self.ca_file).write_bytes(certs.certificate_pem(self.ca_cert))
-
-    def _write(self, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[str, str]:
-        cert_file, key_file = self.dir / f"{stem}.pem", self.dir / f"{stem}-key.pem"
-        cert_file.write_bytes(certs.certificate_pem(cert))
-        key_file.write_bytes(certs.private_key_pem(key))
-        return str(cert_file), str(key_file)
-
-    def issue(self, identity: PeerIdentity) -> tuple[str, str]:
-        cert, key = certs.issue_certificate(self.ca_cert, self.ca_key, identity, now=time.time(), days=1)
-        return self._write(f"{identity.site}-{identity.role}-{identity.replica or 'x'}", cert, key)
-
-    def issue_without_identity(self) -> tuple[str, str]:
-        """A leaf the CA signed that names no spiffe identity (DNS name only)."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "anonymous")]))
-            .issuer_name(self.ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-            .sign(self.ca_key, hashes.SHA256())
-        )
-        return self._write("anonymous", cert, key)
-
-    def server(self, identity: PeerIdentity = OPERATOR_A) -> ssl.SSLContext:
-        return server_context(*self.issue(identity), self.ca_file)
-
-    def client(self, identity: PeerIdentity) -> ssl.SSLContext:
-        return client_context(*self.issue(identity), self.ca_file)
-
-
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> Issuer:
-    return Issuer(tmp_path_factory.mktemp("grid"))
+    return Issuer.gridd(tmp_path_factory.mktemp("grid"))
 
 
 @pytest.fixture(scope="module")
 def other_ca(tmp_path_factory) -> Issuer:
-    return Issuer(tmp_path_factory.mktemp("other"))
+    return Issuer.gridd(tmp_path_factory.mktemp("other"))
 
 
 def held_batch(site: str, provider: str, seq: int = 1, *, probes: int = 1) -> Batch:
@@ -505,17 +457,6 @@ class MemoryNet:
         for scope in self._serving:
             scope.cancel()
         self._serving.clear()
-
-
-def just_before(t: float) -> float:
-    """The last instant MockClock can stand at before ``t``."""
-    return math.nextafter(t, -math.inf)
-
-
-async def settle_at(t: float) -> None:
-    """Stand at ``t`` once every task due by then has run."""
-    await trio.sleep_until(t)
-    await trio.testing.wait_all_tasks_blocked()
 
 
 def memory_operator(grid: Issuer, nursery: trio.Nursery, limits: ChannelLimits | None = None,

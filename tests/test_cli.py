@@ -6,8 +6,7 @@ from __future__ import annotations
 import io
 
 import msgspec
-from test_explain import THREE_SITES, gateway
-from test_store import WALL, Feed, load
+from support import THREE_SITES, WALL, BatchFeed, load, store
 
 from gridd.cli import CLEAR_SCREEN, format_explain, format_status, render_reply, watch_frames
 from gridd.core.explain import explain_model
@@ -80,7 +79,7 @@ def explained(s, model="m", now=1.0) -> dict:
 
 
 def test_explain_view_lists_candidates_with_chances_and_one_reason_line_each():
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     s.ingest([feed.batch(site, ld=ld) for site, ld in THREE_SITES.items()]
              + [feed.batch("b", "old", ld=load(), age_s=25.0), feed.batch("c", "off", ready=False)],
              now=0.0, now_wall=WALL)
@@ -113,15 +112,15 @@ def test_explain_view_lists_candidates_with_chances_and_one_reason_line_each():
 
 
 def test_explain_view_names_503_429_and_404():
-    s = gateway()
+    s = store()
     assert format_explain(explained(s)).splitlines()[1] == (
         "a request   503 no_routing_data (no_operator_data): no routing data from the operator: no poll has "
         "succeeded yet; Retry-After about 2 s")
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a")], now=0.0, now_wall=WALL)
     assert format_explain(explained(s, "gpt-x")).splitlines()[1] == (
         "a request   404: no site serves 'gpt-x' (models here: m)")
-    shed = gateway(shedding=True, full_after_s=2.0, room_after_s=5.0)
+    shed = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
     full = load(ready=2, running=2.0, waiting=3.0, kv=1.0)
     for t in (0.0, 2.0):
         shed.ingest([feed.batch("a", ld=full)], now=t, now_wall=WALL)

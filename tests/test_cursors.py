@@ -5,7 +5,7 @@ the unchanged batches had been re-sent."""
 from __future__ import annotations
 
 import msgspec
-from test_store import WALL, Feed, load, store
+from support import WALL, BatchFeed, load, store
 
 from gridd.core.batch import Cursor, SourceKey
 from gridd.core.cursors import held_cursors, unchanged_batches
@@ -14,7 +14,7 @@ from gridd.core.readings import BatchOrder
 
 
 def test_a_candidate_whose_fence_moved_past_its_batch_gets_no_cursor():
-    feed, s = Feed(), store()
+    feed, s = BatchFeed(), store()
     kept, other = feed.batch("b"), feed.batch("c")
     s.ingest([kept, other], now=1.0, now_wall=WALL)
     assert set(held_cursors(s.candidates, s.fences)) == {
@@ -29,7 +29,7 @@ def test_a_candidate_whose_fence_moved_past_its_batch_gets_no_cursor():
 
 
 def test_unchanged_batches_are_admitted_as_the_repeat_a_resent_batch_was():
-    feed = Feed()
+    feed = BatchFeed()
     first = [feed.batch("a"), feed.batch("b", age_s=0.5)]
     resent, cursor = store(), store()
     for s in (resent, cursor):
@@ -49,7 +49,7 @@ def test_unchanged_batches_are_admitted_as_the_repeat_a_resent_batch_was():
 
 
 def test_relay_since_leaves_out_only_batches_at_the_cursor():
-    feed, holdings = Feed(), Holdings()
+    feed, holdings = BatchFeed(), Holdings()
     a, b, c = feed.batch("a"), feed.batch("b"), feed.batch("c")
     verdict_only = msgspec.structs.replace(c, revision=None, complete=False, load=None,
                                            order=BatchOrder(c.revision.publisher_epoch, 1))

@@ -218,7 +218,7 @@ async def test_drain_deadline_cancels_a_hanging_drain(workspace, mock_clock):
         await trio.testing.wait_all_tasks_blocked()
         mock_clock.jump(9.999)
         await trio.testing.wait_all_tasks_blocked()
-        assert daemon._draining and not role.drained
+        assert daemon.status()["state"] == "draining" and not role.drained
         assert nursery.child_tasks  # still draining just before the 10 s grace ends
         mock_clock.jump(0.001)
     # the grace period (drain_grace_s = 10) ended the drain on its deadline exactly

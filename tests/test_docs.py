@@ -128,7 +128,8 @@ STATUS_STATES = (
     set(DAEMON_STATES)
     | set(typing.get_args(PeerState))
     | _found("gateway/service.py", r'self\.operator_state(?:, self\.last_poll_error)? = "([^"]+)"')
-    | _found("probes/runner.py", r'why = "([a-z ]+)"|"provider disabled" if|\("(provider disabled)"|else "(stopped)"\)'
+    | _found("probes/runner.py",
+             r'why = "([a-z ]+)"|"provider disabled" if|\("(provider disabled)"|else "(stopped)"\)'
                                  r'|"state": "(failing)" if|else "(ok)",')
 )
 
@@ -141,7 +142,8 @@ STATUS_STATES = (
     ("Ingest drop reasons", set(DROP_REASONS)),
     ("Feedback failure reasons", set(FAILURE_REASONS)),
     ("Ready condition reasons", _found("core/readiness.py", r'Verdict\((?:True|False|None), "(\w+)"')),
-    ("GatewayAgesRejected reasons", _found("core/feedback.py", r'"reason": "(\w+)"|reason, message = "(\w+)"')),
+    ("GatewayAgesRejected reasons",
+     _found("core/feedback.py", r'"reason": "(\w+)"|reason, message = "(\w+)"')),
     ("Gateway exclusion reasons", set(EXCLUSION_REASONS)),
     ("Gateway signal states", set(SIGNAL_STATES)),
     ("Explain tiers", set(TIERS)),

@@ -42,7 +42,8 @@ def test_example_configs_run(tmp_path):
     procs = {}
     try:
         for role in ("operator", "gateway"):
-            procs[role] = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config", str(ws / f"{role}.yaml")],
+            procs[role] = subprocess.Popen([sys.executable, "-m", "gridd", "run", "--config",
+                                            str(ws / f"{role}.yaml")],
                                            stderr=subprocess.PIPE, text=True)
         op_sock = load_config(ws / "operator.yaml").resolve("var/run/operator-a.sock")
         gw_sock = load_config(ws / "gateway.yaml").resolve("var/run/gateway-a-g1.sock")

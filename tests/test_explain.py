@@ -8,19 +8,13 @@ import random
 
 import msgspec
 import pytest
-from test_store import SERVING, WALL, Feed, load
+from support import SERVING, THREE_SITES, WALL, BatchFeed, load, store
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
 from gridd.core.explain import CAPACITY_BOUNDS, TIERS, explain_model
 from gridd.core.knobs import RoutingKnobs
 from gridd.core.readings import LoadSignals
 from gridd.core.store import GatewayStore
-
-
-def gateway(**knobs) -> GatewayStore:
-    s = GatewayStore(site="a", knobs=RoutingKnobs(**knobs))
-    s.set_serving(SERVING)
-    return s
 
 
 def by_site(explained) -> dict[str, object]:
@@ -49,13 +43,8 @@ def same_as_decide(s: GatewayStore, model: str, now: float):
     return explained
 
 
-THREE_SITES = {"a": load(ready=4, running=1.0, kv=0.0),   # 4 units x prior 8 = 32; rho 4/32
-               "b": load(ready=2, running=4.0, kv=0.0),   # 16; rho 8/16
-               "c": load(ready=2, running=2.0, kv=0.0)}   # 16; rho 4/16
-
-
 def test_exact_pick_chances_of_two_choices_on_a_known_snapshot():
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     s.ingest([feed.batch(site, ld=ld) for site, ld in THREE_SITES.items()], now=0.0, now_wall=WALL)
     e = same_as_decide(s, "m", 0.5)
     assert [c.site for c in e.candidates] == ["a", "c", "b"]  # least loaded first
@@ -75,7 +64,7 @@ def test_exact_pick_chances_of_two_choices_on_a_known_snapshot():
 
 
 def test_pending_sends_since_the_reading_move_the_chances():
-    s, feed = gateway(pending_weight=4.0), Feed()
+    s, feed = store(pending_weight=4.0), BatchFeed()
     s.ingest([feed.batch(site, ld=ld) for site, ld in THREE_SITES.items()], now=0.0, now_wall=WALL)
     for _ in range(8):
         s.sends.record(("a", "llama"), 0.5)  # made after a's reading was taken (at 0.0, age 0)
@@ -95,7 +84,7 @@ def test_pending_sends_since_the_reading_move_the_chances():
 
 
 def test_each_tier_and_exclusion_is_shown():
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     kv_full = load(ready=2, running=1.0, kv=1.0)                    # rho 1, nothing waiting
     backlog = load(ready=2, running=2.0, waiting=3.0, kv=1.0)       # rho >= 1, every unit waits >= running
     batches = [
@@ -152,7 +141,7 @@ def test_each_tier_and_exclusion_is_shown():
     (LoadSignals(kv_mean=0.5), "floor", 1.0),                             # no unit count
 ])
 def test_capacity_names_the_bound_in_force_and_its_evidence(ld, bound, capacity):
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     s.ingest([feed.batch("a", ld=ld)], now=0.0, now_wall=WALL)
     cand = explain_model(s, "m", now=0.5).candidates[0]
     ev = cand.capacity
@@ -164,12 +153,12 @@ def test_capacity_names_the_bound_in_force_and_its_evidence(ld, bound, capacity)
 
 
 def test_no_routing_data_is_503_with_the_cause_and_no_pick():
-    s = gateway()
+    s = store()
     e = same_as_decide(s, "m", 0.0)
     assert (e.outcome.kind, e.outcome.status, e.outcome.cause) == ("unavailable", 503, "no_operator_data")
     assert e.outcome.message == "no routing data from the operator: no poll has succeeded yet"
     assert e.candidates == [] and e.known_models == []
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a")], now=0.0, now_wall=WALL)
     e = same_as_decide(s, "m", 21.0)  # the last poll is older than the 20 s TTL
     assert e.outcome.cause == "no_operator_data" and "last successful poll was 21 s ago" in e.outcome.message
@@ -177,7 +166,7 @@ def test_no_routing_data_is_503_with_the_cause_and_no_pick():
 
 
 def test_unknown_model_is_404():
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     s.ingest([feed.batch("a")], now=0.0, now_wall=WALL)
     e = same_as_decide(s, "other", 0.5)
     assert (e.outcome.kind, e.outcome.status) == ("unknown_model", 404)
@@ -185,11 +174,11 @@ def test_unknown_model_is_404():
 
 
 def test_every_candidate_excluded_is_503_excluded_or_silent():
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     s.ingest([feed.batch("a", ld=load(ready=0)), feed.batch("b", ready=False)], now=0.0, now_wall=WALL)
     e = same_as_decide(s, "m", 0.5)
     assert (e.outcome.status, e.outcome.cause, e.outcome.retry_after_s) == (503, "excluded", 2.0)
-    s2 = gateway()
+    s2 = store()
     s2.ingest([feed.batch("b", age_s=41.0), feed.batch("c", age_s=50.0)], now=0.0, now_wall=WALL)
     e = same_as_decide(s2, "m", 0.5)
     assert (e.outcome.status, e.outcome.cause, e.outcome.retry_after_s) == (503, "silent", 6.0)
@@ -197,7 +186,7 @@ def test_every_candidate_excluded_is_503_excluded_or_silent():
 
 
 def test_shedding_runs_and_the_429():
-    s, feed = gateway(shedding=True, full_after_s=2.0, room_after_s=5.0), Feed()
+    s, feed = store(shedding=True, full_after_s=2.0, room_after_s=5.0), BatchFeed()
     full = load(ready=2, running=2.0, waiting=3.0, kv=1.0)
     s.ingest([feed.batch("a", ld=full), feed.batch("b", ld=full)], now=0.0, now_wall=WALL)
     e = same_as_decide(s, "m", 0.5)
@@ -216,7 +205,7 @@ def test_shedding_runs_and_the_429():
     assert (e.outcome.kind, e.shedding.run, e.shedding.next_change_s, e.shedding.run_for_s) == (
         "shed", "relief", 4.0, 1.0)
     # Shedding off: the same all-full model is forwarded, and no run is reported.
-    off = gateway(shedding=False)
+    off = store(shedding=False)
     off.ingest([feed.batch("a", ld=full), feed.batch("b", ld=full)], now=0.0, now_wall=WALL)
     e = same_as_decide(off, "m", 5.0)
     assert (e.outcome.kind, e.outcome.cause) == ("forward", "full")
@@ -225,7 +214,7 @@ def test_shedding_runs_and_the_429():
 
 
 def test_the_json_form_round_trips():
-    s, feed = gateway(), Feed()
+    s, feed = store(), BatchFeed()
     s.ingest([feed.batch(site, ld=ld) for site, ld in THREE_SITES.items()], now=0.0, now_wall=WALL)
     e = explain_model(s, "m", now=0.5)
     data = msgspec.to_builtins(e)

@@ -56,7 +56,8 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     (
         "help-type-comments",
         b"# HELP %s [ALPHA] The number {of} ready endpoints.\n# TYPE %s gauge\n"
-        b"# just a comment\n  # indented comment\n#\n%s{name=\"p\"} 4\n" % (M.encode(), M.encode(), M.encode()),
+        b"# just a comment\n  # indented comment\n#\n%s{name=\"p\"} 4\n" % (M.encode(), M.encode(),
+                                                                            M.encode()),
         {M: [({"name": "p"}, 4.0)]},
         0,
     ),
@@ -87,7 +88,8 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     ),
     (
         "special-floats",
-        b"v 1\nv NaN\nv nan\nv +Inf\nv -Inf\nv Inf\nv -inf\nv 1e+06\nv 1.048576e+06\nv -2.5E-3\nv .5\nv 5.\nv 0\nv -0\n",
+        b"v 1\nv NaN\nv nan\nv +Inf\nv -Inf\nv Inf\nv -inf\nv 1e+06\nv 1.048576e+06\nv -2.5E-3\nv .5\nv 5.\n"
+        b"v 0\nv -0\n",
         {
             "v": [
                 ({}, 1.0), ({}, NAN), ({}, NAN), ({}, math.inf), ({}, -math.inf), ({}, math.inf),
@@ -110,13 +112,15 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
         0,
     ),
     ("leading-blanks", b'  a 1\n\tb{x="y"} 2\n', {"a": [({}, 1.0)], "b": [({"x": "y"}, 2.0)]}, 0),
-    ("several-blanks-before-value", b'a  1\nb{x="y"}  \t2\n', {"a": [({}, 1.0)], "b": [({"x": "y"}, 2.0)]}, 0),
+    ("several-blanks-before-value", b'a  1\nb{x="y"}  \t2\n',
+     {"a": [({}, 1.0)], "b": [({"x": "y"}, 2.0)]}, 0),
     ("colon-in-name", b'vllm:num_requests_running{engine="0"} 12.0\n',
      {"vllm:num_requests_running": [({"engine": "0"}, 12.0)]}, 0),
     (
         "histogram-run",
-        b'# TYPE h histogram\nh_bucket{m="a",le="0.1"} 1\nh_bucket{m="a",le="1"} 3\nh_bucket{m="a",le="+Inf"} 4\n'
-        b'h_sum{m="a"} 2.5\nh_count{m="a"} 4\nh_bucket{m="b",le="0.1"} 0\nh_bucket{m="b",le="+Inf"} 1\n',
+        b'# TYPE h histogram\nh_bucket{m="a",le="0.1"} 1\nh_bucket{m="a",le="1"} 3\n'
+        b'h_bucket{m="a",le="+Inf"} 4\nh_sum{m="a"} 2.5\nh_count{m="a"} 4\nh_bucket{m="b",le="0.1"} 0\n'
+        b'h_bucket{m="b",le="+Inf"} 1\n',
         {
             "h_bucket": [
                 ({"m": "a", "le": "0.1"}, 1.0), ({"m": "a", "le": "1"}, 3.0), ({"m": "a", "le": "+Inf"}, 4.0),
@@ -129,11 +133,12 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     ),
     (
         "run-broken-by-odd-lines",
-        b'r{a="1",b="x"} 1\nr{a="1",b="x\\"y"} 2\nr{a="1",b="z",c="w"} 3\nr{a="1",b="} 4\nr{a="1",b="q"} 5 6\n'
-        b'r{a="1",b="q"} 7\n',
+        b'r{a="1",b="x"} 1\nr{a="1",b="x\\"y"} 2\nr{a="1",b="z",c="w"} 3\nr{a="1",b="} 4\n'
+        b'r{a="1",b="q"} 5 6\nr{a="1",b="q"} 7\n',
         {
             "r": [
-                ({"a": "1", "b": "x"}, 1.0), ({"a": "1", "b": 'x"y'}, 2.0), ({"a": "1", "b": "z", "c": "w"}, 3.0),
+                ({"a": "1", "b": "x"}, 1.0), ({"a": "1", "b": 'x"y'}, 2.0),
+                ({"a": "1", "b": "z", "c": "w"}, 3.0),
                 ({"a": "1", "b": "q"}, 5.0), ({"a": "1", "b": "q"}, 7.0),
             ]
         },
@@ -146,7 +151,8 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
         'h_bucket{m="a",le="4"} \t5\nh_bucket{m="a",le="5"} 6 7 8\nh_bucket{m="a",le="\\t"} 9\n'.encode(),
         {
             "h_bucket": [
-                ({"m": "a", "le": "0.1"}, 1.0), ({"m": "a", "le": " 1 "}, 2.0), ({"m": "a", "le": "x\\y"}, 3.0),
+                ({"m": "a", "le": "0.1"}, 1.0), ({"m": "a", "le": " 1 "}, 2.0),
+                ({"m": "a", "le": "x\\y"}, 3.0),
                 ({"m": "a", "le": "a\nb"}, 4.0), ({"m": "a", "le": "4"}, 5.0),
             ]
         },
@@ -239,7 +245,8 @@ def test_blank_and_comment_only_junk_is_not_malformed() -> None:
 
 def test_labels_dicts_are_independent() -> None:
     """Histogram lines share a prefix; each sample still owns its labels dict."""
-    result = parse_exposition(b'h_bucket{m="a",le="1"} 1\nh_bucket{m="a",le="2"} 2\nh_bucket{m="a",le="3"} 3\n')
+    result = parse_exposition(b'h_bucket{m="a",le="1"} 1\nh_bucket{m="a",le="2"} 2\n'
+                              b'h_bucket{m="a",le="3"} 3\n')
     first, second, third = (labels for labels, _ in result.samples["h_bucket"])
     first["m"] = "changed"
     assert second == {"m": "a", "le": "2"} and third == {"m": "a", "le": "3"}
@@ -257,7 +264,8 @@ def test_label_layout_cache_is_bounded() -> None:
         assert len(exposition._BUILDERS) <= exposition._BUILDERS_MAX
         assert result.malformed_lines == 1
         assert result.samples["m"][-2:] == [({"late1": "v"}, 3.0), ({"late1": "v", "late2": "w"}, 2.0)]
-        assert result.samples["m"][count - 1] == ({f"a{count - 1}": "v", "b": str(count - 1)}, float(count - 1))
+        assert result.samples["m"][count - 1] == ({f"a{count - 1}": "v", "b": str(count - 1)},
+                                                  float(count - 1))
         assert len(result.samples["m"]) == count + 2
     finally:
         exposition._BUILDERS.clear()
@@ -320,7 +328,8 @@ def gridd_samples(result: Exposition) -> Multiset:
     )
 
 
-SAMPLE_FILES = ["epp-healthy.prom", "epp-saturated.prom", "epp-zero-ready.prom", "epp-multi-pool.prom", "vllm-direct.prom"]
+SAMPLE_FILES = ["epp-healthy.prom", "epp-saturated.prom", "epp-zero-ready.prom", "epp-multi-pool.prom",
+                "vllm-direct.prom"]
 
 
 @pytest.mark.parametrize("filename", SAMPLE_FILES)
@@ -411,7 +420,8 @@ def test_wanted_keeps_exactly_the_wanted_series(samples_dir: pathlib.Path, filen
 @pytest.mark.parametrize("container", [list, tuple, frozenset, dict.fromkeys])
 def test_wanted_accepts_any_container(container) -> None:
     body = b'a{x="1"} 1\nb{x="2"} 2\nc 3\n'
-    assert parse_exposition(body, container(["b", "c", "zzz"])).samples == {"b": [({"x": "2"}, 2.0)], "c": [({}, 3.0)]}
+    assert parse_exposition(body, container(["b", "c", "zzz"])).samples == {"b": [({"x": "2"}, 2.0)],
+                                                                            "c": [({}, 3.0)]}
 
 
 def test_wanted_empty_keeps_nothing() -> None:
@@ -519,7 +529,8 @@ def test_matches_prometheus_client_on_valid_expositions(text: str) -> None:
 # The fast paths against the full grammar, on lines near the canonical form.
 NEAR_MISS_EDITS = [
     "\\", "\\", '"', '"', "\\n", "\\\\", '\\"', "\\t", "_", "_", " ", " ", "\t", "\r", "\x0b", "\x0c", "\x1c",
-    "\xa0", "\u2028", "\u0661", "{", "}", "} ", ",", "=", "#", "e", "E", ".", "+", "-", "0", "9", "x", "NaN", "Inf",
+    "\xa0", "\u2028", "\u0661", "{", "}", "} ", ",", "=", "#", "e", "E", ".", "+", "-", "0", "9", "x",
+    "NaN", "Inf",
 ]
 
 

@@ -97,7 +97,8 @@ async def test_the_hung_provider_goes_not_ready_after_the_floor(tmp_path, autoju
         verdict = rig.operator.publishers["hung"].current_verdict(
             trio.current_time(), stale_after_s=rig.operator.status()["stale_after_s"], unavailable=False)
         assert (verdict.reason, verdict.failure_class) == ("ScrapeFailed", "timeout")
-        assert verdict.message == ("no scrape answered for 6.5s (stale after 6.0s); latest scrape failed: timeout")
+        assert verdict.message == ("no scrape answered for 6.5s (stale after 6.0s); "
+                                   "latest scrape failed: timeout")
         assert rig.sample("grid_provider_ready", "healthy") == 1.0
         nursery.cancel_scope.cancel()
 
@@ -139,7 +140,8 @@ def test_sample_count_rules():
 
     units = tuple(UnitLoad(unit=f"u{i}", waiting=0.0) for i in range(4))
     assert sample_count(LoadSignals(ready_endpoints=4, units=units, avg_running=1.0, in_flight=4.0)) == 4
-    assert legacy_sample_count(LoadSignals(ready_endpoints=4, units=units, avg_running=1.0, in_flight=4.0)) == 5
+    assert legacy_sample_count(LoadSignals(ready_endpoints=4, units=units, avg_running=1.0,
+                                           in_flight=4.0)) == 5
     # Pool-level load without per-unit series: the pool is the one sample.
     assert sample_count(LoadSignals(ready_endpoints=2, avg_running=1.0, avg_waiting=0.0)) == 1
     assert sample_count(LoadSignals(ready_endpoints=0, flow_queue=3.0)) == 0
@@ -199,7 +201,8 @@ async def test_staging_a_reload_writes_no_state_and_commit_writes_it(tmp_path, a
 # -- ordering across clock steps and restarts -------------------------------------------------
 
 EPP_BODY = (b'llm_d_epp_ready_endpoints{name="p"} 2\nllm_d_epp_average_running_requests{name="p"} 1\n'
-            b'llm_d_epp_average_queue_size{name="p"} 0\nllm_d_epp_average_kv_cache_utilization{name="p"} 0.2\n'
+            b'llm_d_epp_average_queue_size{name="p"} 0\n'
+            b'llm_d_epp_average_kv_cache_utilization{name="p"} 0.2\n'
             b'llm_d_epp_per_endpoint_queue_size{name="p",model_server_endpoint="e0"} 0\n')
 
 
@@ -261,10 +264,12 @@ def test_order_beside_a_revision_is_refused():
     from gridd.core.payload import validate_payload
     from gridd.core.readings import BatchOrder
 
-    batch = _publisher(7, iter(range(1, 9))).on_scrape(now=0.0, wall_now=1000.0, body=EPP_BODY, failure_class=None,
+    batch = _publisher(7, iter(range(1, 9))).on_scrape(now=0.0, wall_now=1000.0, body=EPP_BODY,
+                                                       failure_class=None,
                                                        stale_after_s=2.0, unavailable=False)
     assert batch.revision is not None and batch.order is None
-    assert validate_payload(msgspec.structs.replace(batch, order=BatchOrder(7, 1))) == "order beside revision metadata"
+    beside = msgspec.structs.replace(batch, order=BatchOrder(7, 1))
+    assert validate_payload(beside) == "order beside revision metadata"
 
 
 def test_a_high_water_mark_beyond_the_skew_bound_is_not_claimed(tmp_path):
@@ -274,14 +279,16 @@ def test_a_high_water_mark_beyond_the_skew_bound_is_not_claimed(tmp_path):
     now = 1_800_000_000.0
     assert state.claim_publisher_epoch(now + 3600, future_bound_s=600) == EpochClaim(1_800_003_600)
     # The clock was an hour ahead and is corrected: the mark is 3600 s > 600 s ahead.
-    assert state.claim_publisher_epoch(now, future_bound_s=600) == EpochClaim(1_800_000_000, discarded=1_800_003_600)
+    assert state.claim_publisher_epoch(now, future_bound_s=600) == EpochClaim(1_800_000_000,
+                                                                              discarded=1_800_003_600)
     assert state.read_epoch_high_water() == 1_800_000_000
     # Within the bound the mark is honoured (a clock set back 10 min: exactly the bound).
     assert state.claim_publisher_epoch(now - 599, future_bound_s=600) == EpochClaim(1_800_000_001)
     assert state.claim_publisher_epoch(now + 1, future_bound_s=600) == EpochClaim(1_800_000_002)
 
 
-async def test_a_clock_corrected_while_running_restarts_the_epoch_and_receivers_follow(tmp_path, autojump_clock):
+async def test_a_clock_corrected_while_running_restarts_the_epoch_and_receivers_follow(tmp_path,
+                                                                                       autojump_clock):
     """The clock runs an hour ahead, then is corrected while the operator runs. A receiver
     whose clock was right all along dropped the future epoch as skew; one whose clock was
     ahead too (a gateway on the same host) admitted it. Both admit the epoch the operator
@@ -298,7 +305,8 @@ async def test_a_clock_corrected_while_running_restarts_the_epoch_and_receivers_
 
     (tmp_path / "operator.yaml").write_text(TWO_PROVIDERS.format(extra=""))
     sims = {name: SimApp(knobs_from({"endpoints": 2})) for name in ("healthy", "hung")}
-    client = httpx.AsyncClient(mounts={f"http://{n}": httpx.ASGITransport(app=sim) for n, sim in sims.items()})
+    mounts = {f"http://{n}": httpx.ASGITransport(app=sim) for n, sim in sims.items()}
+    client = httpx.AsyncClient(mounts=mounts)
     registry = CollectorRegistry()
     operator = OperatorService(load_config(tmp_path / "operator.yaml", env={}), registry, client=client,
                                wall=wall, state_io=inline)
@@ -323,7 +331,8 @@ async def test_a_clock_corrected_while_running_restarts_the_epoch_and_receivers_
         ahead["s"] = 0.0  # the clock is corrected (for the operator and the same-host receiver)
         await trio.sleep_until(origin + 1.5)  # the scrape at +1 re-claims
         assert operator.publisher_epoch == WALL_ORIGIN + int(origin) + 1
-        assert operator.holdings.get("a", "healthy").batch.revision.publisher_epoch == operator.publisher_epoch
+        revision = operator.holdings.get("a", "healthy").batch.revision
+        assert revision.publisher_epoch == operator.publisher_epoch
         assert registry.get_sample_value("grid_operator_publisher_epoch_clock_resets_total") == 1.0
         # The same-host receiver's fence (the future epoch) is beyond its corrected clock's
         # bound, so it is released rather than locking the provider out as stale_order.
@@ -345,7 +354,8 @@ VLLM_BODY = (b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
 def _kind_publisher(kind: str):
     from gridd.core.publication import ProviderPublisher
 
-    return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1, publisher_epoch=7,
+    return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                             publisher_epoch=7,
                              created_at=0.0, next_sequence=iter(range(1, 100)).__next__, kind=kind)
 
 
@@ -387,7 +397,8 @@ async def test_metrics_kind_in_the_daemon_fails_scrapes_and_turns_not_ready(tmp_
         origin = trio.current_time()
         await trio.sleep_until(origin + 0.5)
         assert rig.registry.get_sample_value("grid_provider_scrape_failures_total",
-                                             {"grid_site": "a", "grid_provider": "hung", "reason": "wrong_kind"}) == 1
+                                             {"grid_site": "a", "grid_provider": "hung",
+                                              "reason": "wrong_kind"}) == 1
         assert rig.operator.status()["providers"][1]["failure_class"] == "wrong_kind"
         # Never answered: not ready once the 2 s floor has passed since scraping started.
         await trio.sleep_until(origin + 2.5)
@@ -423,8 +434,8 @@ def test_latency_counts_only_the_providers_model_and_its_adapters():
 
     def publisher(adapters=()):
         return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
-                                 publisher_epoch=7, created_at=0.0, next_sequence=iter(range(1, 100)).__next__,
-                                 adapters=adapters)
+                                 publisher_epoch=7, created_at=0.0,
+                                 next_sequence=iter(range(1, 100)).__next__, adapters=adapters)
 
     pub = publisher()
     assert _scrape(pub, _two_model_body(ours=0, theirs=0)).latency is None
@@ -440,7 +451,8 @@ def test_latency_counts_only_the_providers_model_and_its_adapters():
 
     with_adapter = publisher(adapters=("m-lora",))
     _scrape(with_adapter, _two_model_body(ours=0, theirs=0))
-    assert _scrape(with_adapter, _two_model_body(ours=10, theirs=500, adapter=10), now=2.0).latency.completed == 20
+    scraped = _scrape(with_adapter, _two_model_body(ours=10, theirs=500, adapter=10), now=2.0)
+    assert scraped.latency.completed == 20
 
 
 # -- one bad field -----------------------------------------------------------------------------
@@ -533,11 +545,13 @@ async def test_a_kv_percent_vllm_keeps_in_flight_and_says_why_once(tmp_path, aut
         await trio.sleep_until(origin + 4.5)
         assert sample("grid_provider_unpublishable_readings_total", reason="kv_usage") == 3.0
         assert operator.holdings.get("a", "hung").batch.load.kv_mean == (0.875 + 0.4) / 2
-        assert _provider_row(next(p for p in operator.status()["providers"] if p["name"] == "hung"))[-1] == "-"
+        hung = next(p for p in operator.status()["providers"] if p["name"] == "hung")
+        assert _provider_row(hung)[-1] == "-"
         nursery.cancel_scope.cancel()
     # The invalid-field lines only (readiness and scrape transitions log lines of their own).
     lines = [r.getMessage() for r in caplog.records if r.name == "gridd.operator" and "hung" in r.getMessage()
-             and ("reading published without" in r.getMessage() or "every field of the reading" in r.getMessage())]
+             and ("reading published without" in r.getMessage()
+                  or "every field of the reading" in r.getMessage())]
     assert lines == [
         "provider hung: reading published without kv_usage, kv_mean, kv_spread: kv_usage: "
         "vllm:kv_cache_usage_perc=87.5 is outside 0..1; kv_mean: left out with kv_usage (computed from every "
@@ -568,7 +582,8 @@ def test_wall_clock_offset_is_read_from_the_environment_and_refused_when_malform
                              env={**os.environ, "GRIDD_WALL_CLOCK_OFFSET_S": "-240"})
     assert shifted.stdout.split() == ["-240.0", "-240"]
     (tmp_path / "operator.yaml").write_text(TWO_PROVIDERS.format(extra=""))
-    refused = subprocess.run([sys.executable, "-m", "gridd", "run", "--config", str(tmp_path / "operator.yaml")],
+    refused = subprocess.run([sys.executable, "-m", "gridd", "run", "--config",
+                              str(tmp_path / "operator.yaml")],
                              capture_output=True, text=True, timeout=30,
                              env={**os.environ, "GRIDD_WALL_CLOCK_OFFSET_S": "soon"})
     assert refused.returncode == 2

@@ -17,7 +17,9 @@ import time
 
 import httpx
 import pytest
-from realproc import PEERED_OPERATOR, Processes, free_ports, series, wait_until
+from realproc import PEERED_OPERATOR, Processes, series, wait_until
+
+from gridd.childprocs import free_ports
 
 pytestmark = pytest.mark.realproc
 
@@ -88,8 +90,10 @@ def test_a_hung_provider_goes_not_ready_and_never_takes_the_healthy_one_with_it(
 
 
 def certs(directory) -> None:
-    for args in (["init"], ["issue", "--site", "a", "--role", "operator"], ["issue", "--site", "b", "--role", "operator"]):
-        done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0], str(directory / "certs"), *args[1:]],
+    for args in (["init"], ["issue", "--site", "a", "--role", "operator"],
+                 ["issue", "--site", "b", "--role", "operator"]):
+        done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0],
+                               str(directory / "certs"), *args[1:]],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
 
@@ -119,14 +123,16 @@ def test_clock_steps_and_restarts_never_lock_a_site_out(tmp_path):
                          f'metrics: {{url: "{sim}/metrics", timeout_s: 2}}}}') if site == "a" else "  []"
             (tmp_path / f"{site}.yaml").write_text(PEERED_OPERATOR.format(
                 site=site, certs="certs", metrics=ports[f"met-{site}"], signals=ports[f"sig-{site}"],
-                providers=providers, peers=f'  - {{site: {peer}, url: "wss://127.0.0.1:{ports["sig-" + peer]}/signals"}}',
+                providers=providers,
+                peers=f'  - {{site: {peer}, url: "wss://127.0.0.1:{ports["sig-" + peer]}/signals"}}',
                 timings="{peer_poll_interval_s: 1, peer_poll_budget_s: 2, stale_metrics_s: 1}"))
         procs.start("b", "run", "--config", "b.yaml")
 
         # 1. a's clock runs an hour ahead: it claims an epoch 3600 s ahead, which b (right
         #    clock, 600 s bound) drops as skew.
         procs.start("a", "run", "--config", "a.yaml", env={"GRIDD_WALL_CLOCK_OFFSET_S": "3600"})
-        wait_until(lambda: series(metrics("b"), "grid_signals_ingest_dropped_total", reason="skew")[0][1] >= 1,
+        wait_until(lambda: series(metrics("b"), "grid_signals_ingest_dropped_total",
+                                  reason="skew")[0][1] >= 1,
                    "b to drop a's future epoch as skew")
         assert a_epoch_at_b(metrics("b")) is None
         assert procs.stop("a") == 0
@@ -141,8 +147,8 @@ def test_clock_steps_and_restarts_never_lock_a_site_out(tmp_path):
         assert abs(epoch - time.time()) < 60 and epoch < future_epoch
         assert a_ready_at_b(metrics("b")) == 1.0
         assert series(metrics("a"), "grid_operator_publisher_epoch_clock_resets_total")[0][1] == 1.0
-        assert re.search(r"^<4>gridd\.operator: publisher epoch \d+ was \d+ s ahead of the wall clock", procs.log("a"),
-                         re.M)
+        assert re.search(r"^<4>gridd\.operator: publisher epoch \d+ was \d+ s ahead of the wall clock",
+                         procs.log("a"), re.M)
         assert procs.stop("a") == 0
 
         # 3. a restarts with its clock 4 min back (within the skew bound, so the epoch is the

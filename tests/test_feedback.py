@@ -5,15 +5,12 @@ trio's MockClock with the in-memory grid of test_grid_mockclock.py."""
 from __future__ import annotations
 
 import math
-import random
-from contextlib import asynccontextmanager
 
-import httpx
 import msgspec
 import pytest
 import trio
 from prometheus_client import CollectorRegistry
-from test_grid_mockclock import GATEWAY, TD, WALL0, memory_link_factory, operator_config, wall, write_certs
+from support import GATEWAY, TD, WALL0, Grid, memory_link_factory, operator_config, wall, write_certs
 
 from gridd import wire
 from gridd.config import load_config
@@ -30,12 +27,9 @@ from gridd.core.feedback import (
 )
 from gridd.core.readings import Revision
 from gridd.errors import StateError
-from gridd.gateway.service import GatewayService
 from gridd.link.session import ChannelError
 from gridd.operator.gateway_feedback import FEEDBACK_FILE, FEEDBACK_NOT_STORED
 from gridd.operator.service import OperatorService
-from gridd.sim.app import SimApp
-from gridd.sim.model import knobs_from
 from gridd.state import write_durably
 from gridd.tls import PeerIdentity
 from gridd.wire import (
@@ -50,6 +44,7 @@ from gridd.wire import (
 
 EPOCH = 0x5EED_F00D  # the gateway process's reporter epoch
 EV = tuple(SkewEvidence("b", "pool-b", 2_000_000_000, seq) for seq in range(1, 200))
+EARLIER = SkewEvidence("c", "pool-c", 2_000_000_000, 1)  # rejected before any cycle a test runs
 
 
 def ack(report: FeedbackReport, status: str = ACK_ACCEPTED, **changes) -> FeedbackAck:
@@ -63,7 +58,8 @@ def no_failures() -> dict[str, int]:
 
 def bad_cycle(reporter: FeedbackReporter, *new: SkewEvidence) -> FeedbackReport:
     """A committed observation with len(new) fresh skew drops, and its report."""
-    held = tuple(reporter._evidence) + new  # what the store's recent evidence would hold
+    # The store's recent skew evidence, oldest first: a rejection from before, then the new ones.
+    held = (EARLIER, *new)
     assert reporter.observe(reporter.skew_drops + len(new), held) is True
     report = reporter.next_report()
     assert report is not None
@@ -657,60 +653,20 @@ class FaultyLink:
         return replies
 
 
-class FeedbackGrid:
-    """test_grid_mockclock's grid with operator b's wall clock AHEAD_S ahead. Operator a's
-    hub admits b's batches (its own future bound is raised to 900 s); gateway g1 keeps the
-    default 600 s bound and so drops every one of them as skew until its own clock is
-    within 600 s of b's epoch: at +100 s."""
+class FeedbackGrid(Grid):
+    """The grid with operator b's wall clock AHEAD_S ahead. Operator a's hub admits b's
+    batches (its own future bound is raised to 900 s); gateway g1 keeps the default 600 s
+    bound and so drops every one of them as skew until its own clock is within 600 s of b's
+    epoch: at +100 s. Gateway g1's link to operator a goes through a FeedbackFault."""
 
     AHEAD_S = 700.0
 
     def __init__(self, tmp_path) -> None:
-        write_certs(tmp_path / "certs", WALL0)
-        self.sims = {site: SimApp(knobs_from({"endpoints": 2, "model": "m"})) for site in ("a", "b")}
-        self.up = {"a": {"up": True}, "b": {"up": True}}
         self.fault = FeedbackFault()
-        walls = {"a": wall, "b": lambda: wall() + self.AHEAD_S}
-        self.operators: dict[str, OperatorService] = {}
-        for site, other in (("a", "b"), ("b", "a")):
-            text = operator_config(site, other)
-            if site == "a":
-                text += "timings: {future_epoch_bound_s: 900}\n"
-            (tmp_path / f"op-{site}.yaml").write_text(text)
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.sims[site]))
-            self.operators[site] = OperatorService(
-                load_config(tmp_path / f"op-{site}.yaml", env={}), CollectorRegistry(), wall=walls[site],
-                client=client, rng=random.Random(1), open_peer_link=self._peer_link(site, other),
-                state_io=run_inline)
-        (tmp_path / "gw-a.yaml").write_text(GATEWAY)
-        inner = memory_link_factory(self.operators["a"].endpoint, G1, self.up["a"],
-                                    PeerIdentity(TD, "a", "operator"))
-
-        @asynccontextmanager
-        async def open_operator_link(*args):
-            async with inner(*args) as link:
-                yield FaultyLink(link, self.fault)
-
-        self.registry = CollectorRegistry()
-        self.gateway = GatewayService(load_config(tmp_path / "gw-a.yaml", env={}), self.registry, wall=wall,
-                                      rng=random.Random(2), open_operator_link=open_operator_link,
-                                      reporter_epoch=EPOCH)
-
-    def _peer_link(self, site: str, other: str):
-        def open_link(peer):
-            return memory_link_factory(self.operators[other].endpoint, PeerIdentity(TD, site, "operator"),
-                                       self.up[other], PeerIdentity(TD, other, "operator"))()
-        return open_link
-
-    async def start(self, nursery, clock) -> float:
-        clock.autojump_threshold = math.inf  # start-up runs blocking work in threads
-        origin = trio.current_time()
-        await nursery.start(self.operators["a"].run)
-        await nursery.start(self.operators["b"].run)
-        clock.jump(0.5)
-        await nursery.start(self.gateway.run)  # polls at +0.5, +1.5, ...
-        clock.autojump_threshold = 0
-        return origin
+        super().__init__(tmp_path, walls={"b": lambda: wall() + self.AHEAD_S},
+                         operator_yaml={"a": "timings: {future_epoch_bound_s: 900}\n"}, state_io=run_inline,
+                         wrap_operator_link=lambda link: FaultyLink(link, self.fault), reporter_epoch=EPOCH)
+        self.registry = self.gateway.registry
 
     def failures(self) -> dict[str, float]:
         return {r: self.registry.get_sample_value("grid_signals_feedback_failures_total", {"reason": r})
@@ -726,12 +682,9 @@ class FeedbackGrid:
 
 @pytest.fixture
 async def fgrid(tmp_path, autojump_clock):
-    grid = FeedbackGrid(tmp_path)
-    async with trio.open_nursery() as nursery:
-        grid.origin = await grid.start(nursery, autojump_clock)
+    async with FeedbackGrid(tmp_path).running(autojump_clock) as grid:
         grid.epoch_b = grid.operators["b"].publisher_epoch
         yield grid
-        nursery.cancel_scope.cancel()
 
 
 async def test_e2e_a_skewed_peer_is_reported_shown_and_resolved(fgrid, autojump_clock):
@@ -851,10 +804,8 @@ async def test_e2e_failed_polls_retry_only_pending_bad_evidence(fgrid, autojump_
 
 
 async def test_e2e_a_clean_pending_report_is_not_retried_after_a_failed_poll(tmp_path, autojump_clock):
-    grid = FeedbackGrid(tmp_path)
-    async with trio.open_nursery() as nursery:
-        o = await grid.start(nursery, autojump_clock)
-        gw = grid.gateway
+    async with FeedbackGrid(tmp_path).running(autojump_clock) as grid:
+        o, gw = grid.origin, grid.gateway
         await trio.sleep_until(o + 2.25)  # clean reports at +0.5 and +1.5, taken
         grid.fault.mode = "transport"
         await trio.sleep_until(o + 2.75)  # the +2.5 clean report failed
@@ -865,7 +816,6 @@ async def test_e2e_a_clean_pending_report_is_not_retried_after_a_failed_poll(tmp
         assert gw.poll_results == {"ok": 3, "timeout": 4}
         assert grid.failures() == {"timeout": 0, "transport": 1, "status": 0, "acknowledgment": 0}
         assert not gw.reporter.bad_pending and gw.reporter.pending_report.sequence == 3
-        nursery.cancel_scope.cancel()
 
 
 async def test_e2e_reporter_state_survives_reloads_and_replacing_the_poller_loses_no_drop(
@@ -874,14 +824,16 @@ async def test_e2e_reporter_state_survives_reloads_and_replacing_the_poller_lose
     reporter = gw.reporter
     await trio.sleep_until(o + 6.25)
     # A staged reload, and a rejected one, publish nothing and touch no reporter state.
-    before, generation = reporter.status(), gw.poller_restarts
+    # The gateway opened its link to operator a once, when its poller started at +0.5.
+    before = reporter.status()
+    assert fgrid.operator_links_opened == [o + 0.5]
     autojump_clock.autojump_threshold = math.inf  # stage() checks files in a worker thread
     await gw.stage(load_config(tmp_path / "gw-a.yaml", env={}))
     (tmp_path / "gw-bad.yaml").write_text(GATEWAY.replace("a-gateway-g1-key.pem", "missing-key.pem"))
     with pytest.raises(Exception, match="missing-key.pem"):
         await gw.stage(load_config(tmp_path / "gw-bad.yaml", env={}))
     autojump_clock.autojump_threshold = 0
-    assert reporter.status() == before and gw.poller_restarts == generation
+    assert reporter.status() == before and fgrid.operator_links_opened == [o + 0.5]  # no new poller
 
     # The +6.5 cycle folds its skew drop, then its report hangs. Operator a stops relaying
     # b's batch (until its +10 peer poll), so every cycle after this one is clean.
@@ -896,9 +848,9 @@ async def test_e2e_reporter_state_survives_reloads_and_replacing_the_poller_lose
     autojump_clock.autojump_threshold = math.inf
     gw.commit(await gw.stage(load_config(tmp_path / "gw-a.yaml", env={})))
     autojump_clock.autojump_threshold = 0
-    assert gw.poller_restarts == generation + 1
     fgrid.fault.mode = "ok"
     await trio.sleep_until(o + 6.8)
+    assert fgrid.operator_links_opened == [o + 0.5, o + 6.75]  # the new poller's link
     # The cancelled exchange counted nothing. The same reporter (epoch, sequence, count,
     # evidence) went on with the new poller, whose first cycle was clean and so sent the
     # retained bad report again, exactly, and had it acknowledged.

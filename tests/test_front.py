@@ -22,6 +22,8 @@ import pytest
 import trio
 import trustme
 from prometheus_client import CollectorRegistry
+from support import FRONT_MODEL as MODEL
+from support import FakeRouter, always, local
 
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
 from gridd.gateway.forwarding import SSE_DONE
@@ -37,57 +39,11 @@ from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from
 from gridd.wire import LocalProvider
 
-MODEL = "sim-model"
 SEED = 7
 BOUND_S = 10.0
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-class FakeRouter:
-    """The Router protocol with decisions the test controls; records every call."""
-
-    def __init__(self, site: str, rule: Callable[[str, str | None, frozenset], object],
-                 models: tuple[str, ...] = (MODEL,)) -> None:
-        self.site = site
-        self.rule = rule
-        self.calls: list[tuple[str, str | None, frozenset]] = []
-        self._models = list(models)
-        self.is_ready = True
-
-    def decide(self, model, *, pinned_site=None, exclude=frozenset()):
-        self.calls.append((model, pinned_site, exclude))
-        return self.rule(model, pinned_site, exclude)
-
-    def models(self):
-        return list(self._models)
-
-    def ready(self):
-        return self.is_ready
-
-    def not_ready_reason(self):
-        return None if self.is_ready else "no routing data from the operator: no poll has succeeded yet"
-
-    async def first_routing_data(self):
-        await self.had_data.wait()
-
-    @property
-    def had_data(self) -> trio.Event:
-        if not hasattr(self, "_had_data"):
-            self._had_data = trio.Event()
-            if self.is_ready:
-                self._had_data.set()
-        return self._had_data
-
-
-def always(decision):
-    return lambda model, pinned, exclude: decision if model == MODEL else UnknownModel()
-
-
-def local(site: str, provider: str, url: str, **provider_fields) -> Forward:
-    config = LocalProvider(provider, MODEL, url + "/v1", **provider_fields)
-    return Forward(site, provider, MODEL, local=config)
 
 
 def remote(site: str, provider: str, ingress: str) -> Forward:

@@ -19,199 +19,22 @@ Timing rules asserted at the defaults (1 s scrape, 1 s gateway poll, 5 s peer po
 from __future__ import annotations
 
 import math
-import random
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 import trio
 import trio.testing
-from prometheus_client import CollectorRegistry
+from support import WALL0, Grid, just_before, settle_at, write_certs
 
 from gridd import wire
-from gridd.certs import certificate_pem, create_ca, issue_certificate, private_key_pem
 from gridd.config import load_config
-from gridd.gateway.service import GatewayService
-from gridd.link.session import ChannelError
-from gridd.operator.service import OperatorService
-from gridd.sim.app import SimApp
-from gridd.sim.model import knobs_from
-from gridd.tls import PeerIdentity
-
-TD = "grid.local"
-WALL0 = 1_800_000_000.0
-
-
-def wall() -> float:
-    return WALL0 + trio.current_time()
-
-
-def write_certs(directory, now: float) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = create_ca(TD, now=now, days=30)
-    (directory / "ca.pem").write_bytes(certificate_pem(ca_cert))
-    for site, role, replica in (("a", "operator", None), ("b", "operator", None), ("a", "gateway", "g1")):
-        identity = PeerIdentity(TD, site, role, replica)
-        cert, key = issue_certificate(ca_cert, ca_key, identity,
-                                      now=now, days=30)
-        name = f"{site}-{role}" + (f"-{replica}" if replica else "")
-        (directory / f"{name}.pem").write_bytes(certificate_pem(cert))
-        (directory / f"{name}-key.pem").write_bytes(private_key_pem(key))
-
-
-def operator_config(site: str, other: str) -> str:
-    return f"""
-role: operator
-site: {site}
-tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
-state_dir: state-{site}
-ingress: http://gw-{site}
-providers:
-  - name: pool-{site}
-    model: m
-    settings: {{endpoint: "http://sim-{site}/v1"}}
-    metrics: {{url: "http://sim-{site}/metrics", timeout_s: 2}}
-peers:
-  - {{site: {other}, url: "wss://op-{other}:1/signals", ingress: "http://gw-{other}"}}
-"""
-
-
-GATEWAY = """
-role: gateway
-site: a
-replica: g1
-tls: {ca: certs/ca.pem, cert: certs/a-gateway-g1.pem, key: certs/a-gateway-g1-key.pem}
-operator: {url: "wss://op-a:1/signals"}
-availability: {shedding: {enabled: true, full_after_ms: 2000, room_after_ms: 5000}}
-"""
-
-
-class MemorySession:
-    """The server side of an in-memory signals connection (what RelayEndpoint reads)."""
-
-    def __init__(self, identity: PeerIdentity, inbox, outbox, where: str) -> None:
-        self.identity, self._in, self._out, self.where = identity, inbox, outbox, where
-
-    async def receive(self) -> wire.Message:
-        try:
-            return wire.decode(await self._in.receive())
-        except trio.EndOfChannel:
-            raise ChannelError("closed", reason="connect") from None
-
-    async def send(self, msg: wire.Message) -> None:
-        await self.send_frame(wire.encode(msg))
-
-    async def send_frame(self, frame: bytes) -> None:
-        try:
-            await self._out.send(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise ChannelError("closed", reason="connect") from None
-
-
-class MemoryLink:
-    def __init__(self, outbox, inbox, up: dict, server: PeerIdentity, exchanges: list | None = None) -> None:
-        self._out, self._in, self._up = outbox, inbox, up
-        self.exchanges = exchanges  # (time, request, replies) of every exchange, when given
-        self.identity = server  # the verified identity of the operator answering
-        self.connections_opened = 1
-
-    async def exchange(self, msg: wire.Message) -> list[wire.Message]:
-        if not self._up["up"]:
-            await trio.sleep_forever()  # an unreachable operator: the caller's budget ends it
-        await self._out.send(wire.encode(msg))
-        replies = []
-        while True:
-            reply = wire.decode(await self._in.receive())
-            replies.append(reply)
-            if isinstance(reply, wire.Batches | wire.FeedbackAck | wire.Error):
-                if self.exchanges is not None:
-                    self.exchanges.append((trio.current_time(), msg, replies))
-                return replies
-
-
-def memory_link_factory(endpoint, identity: PeerIdentity, up: dict, server: PeerIdentity,
-                        exchanges: list | None = None):
-    @asynccontextmanager
-    async def open_link(*_args):
-        c2s_send, c2s_recv = trio.open_memory_channel(math.inf)
-        s2c_send, s2c_recv = trio.open_memory_channel(math.inf)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(endpoint.handle, MemorySession(identity, c2s_recv, s2c_send, identity.uri))
-            yield MemoryLink(c2s_send, s2c_recv, up, server, exchanges)
-            nursery.cancel_scope.cancel()
-
-    return open_link
-
-
-class Grid:
-    def __init__(self, tmp_path) -> None:
-        write_certs(tmp_path / "certs", WALL0)
-        self.sims = {site: SimApp(knobs_from({"endpoints": 2, "model": "m"})) for site in ("a", "b")}
-        self.up = {"a": {"up": True}, "b": {"up": True}}
-        self.operators: dict[str, OperatorService] = {}
-        for site, other in (("a", "b"), ("b", "a")):
-            (tmp_path / f"op-{site}.yaml").write_text(operator_config(site, other))
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.sims[site]))
-            self.operators[site] = OperatorService(
-                load_config(tmp_path / f"op-{site}.yaml", env={}), CollectorRegistry(), wall=wall,
-                client=client,
-                rng=random.Random(1), open_peer_link=self._peer_link(site, other))
-        (tmp_path / "gw-a.yaml").write_text(GATEWAY)
-        self.gateway_exchanges: list = []
-        self.gateway = GatewayService(
-            load_config(tmp_path / "gw-a.yaml", env={}), CollectorRegistry(), wall=wall, rng=random.Random(2),
-            open_operator_link=memory_link_factory(self.operators["a"].endpoint,
-                                                   PeerIdentity(TD, "a", "gateway", "g1"), self.up["a"],
-                                                   PeerIdentity(TD, "a", "operator"), self.gateway_exchanges))
-
-    def _peer_link(self, site: str, other: str):
-        def open_link(peer):
-            return memory_link_factory(self.operators[other].endpoint, PeerIdentity(TD, site, "operator"),
-                                       self.up[other], PeerIdentity(TD, other, "operator"))()
-        return open_link
-
-    def ordered_sites(self) -> list[str]:
-        snap = self.gateway.store.snapshots.get("m")
-        return [] if snap is None else [v.site for v in snap.ordered]
-
-    def excluded_sites(self) -> list[str]:
-        snap = self.gateway.store.snapshots.get("m")
-        return [] if snap is None else [v.site for v in snap.excluded]
-
-    async def start(self, nursery, clock) -> float:
-        # Start-up runs blocking work in threads (TLS checks, the durable epoch write); an
-        # autojumping clock would leap to the next timer meanwhile. Hold time still while
-        # starting, place the gateway half a second after the operators, then let it run.
-        clock.autojump_threshold = math.inf
-        origin = trio.current_time()
-        await nursery.start(self.operators["a"].run)  # scrape passes at +0, +1, ...
-        await nursery.start(self.operators["b"].run)  # a polls b at +0, +5, ...
-        clock.jump(0.5)
-        await nursery.start(self.gateway.run)  # gateway polls at +0.5, +1.5, ...
-        clock.autojump_threshold = 0
-        return origin
-
-
-def just_before(t: float) -> float:
-    """The last instant MockClock can stand at before ``t``: "not yet" asserted exactly."""
-    return math.nextafter(t, -math.inf)
-
-
-async def settle_at(t: float) -> None:
-    """Stand at ``t`` once every task due by then has run (the grid is in memory, so an
-    exchange takes no virtual time)."""
-    await trio.sleep_until(t)
-    await trio.testing.wait_all_tasks_blocked()
 
 
 @pytest.fixture
 async def grid(tmp_path, autojump_clock):
     # Each test requests autojump_clock too: pytest-trio takes the clock from the test.
-    grid = Grid(tmp_path)
-    async with trio.open_nursery() as nursery:
-        grid.origin = await grid.start(nursery, autojump_clock)
+    async with Grid(tmp_path).running(autojump_clock) as grid:
         yield grid
-        nursery.cancel_scope.cancel()
 
 
 async def test_both_sites_reach_the_gateway_and_route(grid, autojump_clock):

@@ -19,7 +19,9 @@ import openai
 import pytest
 from docs_tables import backticked, table_rows
 from prometheus_client.parser import text_string_to_metric_families
-from realproc import free_ports, stop, wait_until
+from realproc import wait_until
+
+from gridd.childprocs import free_ports, stop_processes
 
 pytestmark = pytest.mark.realproc
 MODEL = "grid-model"
@@ -81,9 +83,11 @@ operator: {{url: "wss://127.0.0.1:{p[f'sig-{site}']}/signals"}}
 availability: {{shedding: {{enabled: true}}}}
 """)
     log = open(ws / "grid.log", "ab")  # noqa: SIM115 - closed below
-    procs = [gridd("sim", "--port", str(p[f"sim-{s}"]), "--model", MODEL, "--endpoints", "2", "--max-seqs", "4",
-                   "--ttft-s", "0.02", "--tpot-s", "0.01", "--pool", f"pool-{s}", log=log) for s in ("a", "b")]
-    procs += [gridd("run", "--config", str(ws / f"{kind}-{s}.yaml"), log=log) for kind in ("op", "gw") for s in ("a", "b")]
+    procs = [gridd("sim", "--port", str(p[f"sim-{s}"]), "--model", MODEL, "--endpoints", "2",
+                   "--max-seqs", "4", "--ttft-s", "0.02", "--tpot-s", "0.01", "--pool", f"pool-{s}", log=log)
+             for s in ("a", "b")]
+    procs += [gridd("run", "--config", str(ws / f"{kind}-{s}.yaml"), log=log)
+              for kind in ("op", "gw") for s in ("a", "b")]
     try:
         yield {"ws": ws, "ports": p, "procs": procs}
     finally:
@@ -102,7 +106,8 @@ availability: {{shedding: {{enabled: true}}}}
 
 
 def gridctl(grid, name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+    return subprocess.run([sys.executable, "-c",
+                           "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
                            "--socket", str(grid["ws"] / "run" / f"{name}.sock"), *args],
                           capture_output=True, text=True, timeout=30)
 
@@ -114,16 +119,22 @@ def gridctl_json(grid, name: str) -> dict:
     return json.loads(out.stdout)["status"]
 
 
+def candidate_sites(grid, name: str) -> set[str]:
+    """The sites gateway ``name`` holds candidates of (gridctl status)."""
+    return {c["site"] for c in gridctl_json(grid, name)["role_status"]["candidates"]}
+
+
 def test_operators_export_both_sites_and_gateway_holds_one_connection(grid):
     p = grid["ports"]
     for site in ("a", "b"):
         def both(site=site):
             text = httpx.get(f"http://127.0.0.1:{p[f'met-{site}']}/metrics", timeout=2).text
-            return all(re.search(rf'grid_provider_ready\{{grid_provider="pool-{s}",grid_site="{s}"\}} 1\.0', text)
-                       for s in ("a", "b"))
+            return all(re.search(rf'grid_provider_ready\{{grid_provider="pool-{s}",grid_site="{s}"\}} 1\.0',
+                                 text) for s in ("a", "b"))
         wait_until(both, f"operator {site} exporting both sites")
     gw = wait_until(lambda: (s := gridctl_json(grid, "gw-a"))["role_status"]["operator_state"] == "up" and
-                    {c["site"] for c in s["role_status"]["candidates"]} == {"a", "b"} and s, "gateway a's store")
+                    {c["site"] for c in s["role_status"]["candidates"]} == {"a", "b"} and s,
+                    "gateway a's store")
     assert gw["role_status"]["models"] == [MODEL]
     op = gridctl_json(grid, "op-a")
     # the gateway's one connection is its operator's only gateway connection
@@ -133,10 +144,11 @@ def test_operators_export_both_sites_and_gateway_holds_one_connection(grid):
 
 def test_openai_sdk_through_the_grid(grid):
     p = grid["ports"]
-    wait_until(lambda: httpx.get(f"http://127.0.0.1:{p['gw-a']}/readyz", timeout=2).status_code == 200, "readyz")
-    wait_until(lambda: {c["site"] for c in gridctl_json(grid, "gw-a")["role_status"]["candidates"]} == {"a", "b"},
-               "both sites at gateway a")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{p['gw-a']}/v1", api_key="unused", max_retries=0, timeout=30)
+    wait_until(lambda: httpx.get(f"http://127.0.0.1:{p['gw-a']}/readyz", timeout=2).status_code == 200,
+               "readyz")
+    wait_until(lambda: candidate_sites(grid, "gw-a") == {"a", "b"}, "both sites at gateway a")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{p['gw-a']}/v1", api_key="unused",
+                           max_retries=0, timeout=30)
     served = set()
     for i in range(30):
         raw = client.chat.completions.with_raw_response.create(
@@ -160,7 +172,8 @@ def test_a_real_prometheus_scraping_one_operator_sees_both_sites(grid, tmp_path)
     operator a only; its HTTP API must answer with both sites' series."""
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("the prometheus binary is absent (Debian package `prometheus`; scripts/bootstrap installs it)")
+        pytest.skip("the prometheus binary is absent (Debian package `prometheus`; scripts/bootstrap "
+                    "installs it)")
     p = grid["ports"]
     [web] = free_ports(1)
     (tmp_path / "prometheus.yml").write_text(f"""
@@ -171,7 +184,8 @@ scrape_configs:
 """)
     with open(tmp_path / "prometheus.log", "wb") as log:
         prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{web}"],
                                 stdout=log, stderr=log)
         try:
             def series(query: str):
@@ -189,23 +203,25 @@ scrape_configs:
                 "query": 'count by (grid_site, job, instance) ({__name__=~"grid_provider_.+"})'}).json()
             assert sorted((s["metric"]["grid_site"], s["metric"]["job"], s["metric"]["instance"])
                           for s in r["data"]["result"]) == [
-                ("a", "gridd-operator-a", f"127.0.0.1:{p['met-a']}"), ("b", "gridd-operator-a", f"127.0.0.1:{p['met-a']}")]
+                ("a", "gridd-operator-a", f"127.0.0.1:{p['met-a']}"),
+                ("b", "gridd-operator-a", f"127.0.0.1:{p['met-a']}")]
             r = httpx.get(f"http://127.0.0.1:{web}/api/v1/targets", timeout=2).json()
-            assert [t["scrapeUrl"] for t in r["data"]["activeTargets"]] == [f"http://127.0.0.1:{p['met-a']}/metrics"]
-            names = httpx.get(f"http://127.0.0.1:{web}/api/v1/label/__name__/values", timeout=2).json()["data"]
-            for name in ("grid_provider_ready", "grid_provider_ready_endpoints", "grid_provider_in_flight_requests",
-                         "grid_provider_config_generation"):
+            scraped = [t["scrapeUrl"] for t in r["data"]["activeTargets"]]
+            assert scraped == [f"http://127.0.0.1:{p['met-a']}/metrics"]
+            values = httpx.get(f"http://127.0.0.1:{web}/api/v1/label/__name__/values", timeout=2)
+            names = values.json()["data"]
+            for name in ("grid_provider_ready", "grid_provider_ready_endpoints",
+                         "grid_provider_in_flight_requests", "grid_provider_config_generation"):
                 assert name in names
         finally:
-            stop(prom)
+            stop_processes([prom], grace_s=20)
 
 
 def test_docs_metrics_lists_every_series_with_its_labels(grid):
     """docs/metrics.md against what a real operator and gateway expose (after traffic, so
     labelled families carry samples whose label names can be compared)."""
     p = grid["ports"]
-    wait_until(lambda: {c["site"] for c in gridctl_json(grid, "gw-a")["role_status"]["candidates"]} == {"a", "b"},
-               "both sites at gateway a")
+    wait_until(lambda: candidate_sites(grid, "gw-a") == {"a", "b"}, "both sites at gateway a")
     for i in range(3):
         r = httpx.post(f"http://127.0.0.1:{p['gw-a']}/v1/chat/completions", timeout=30, json={
             "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"m{i}"}]})
@@ -222,7 +238,8 @@ def test_docs_metrics_lists_every_series_with_its_labels(grid):
     assert sorted(exposed) == sorted(documented)
     # Every sample carries exactly the documented label names (a family that had no sample
     # yet, say retries before any retry, is compared by name only).
-    wrong = {name: labels for name, samples in exposed.items() for labels in samples if labels != documented[name]}
+    wrong = {name: labels for name, samples in exposed.items() for labels in samples
+             if labels != documented[name]}
     assert wrong == {}
     with_samples = {name for name, samples in exposed.items() if samples}
     assert len(with_samples) >= 30, sorted(set(exposed) - with_samples)
@@ -240,7 +257,8 @@ def test_gridctl_explain_and_watch_on_a_running_grid(grid):
     assert all(c["capacity"]["units"] == 2 and c["arrived_age_s"] is not None for c in e["candidates"])
     # status --json carries each candidate's signal state and age too.
     status = gridctl_json(grid, "gw-a")["role_status"]["candidates"]
-    assert all(c["signal"] in ("fresh", "stale", "silent") and c["age_s"] >= 0 for c in status) and len(status) == 2
+    assert len(status) == 2
+    assert all(c["signal"] in ("fresh", "stale", "silent") and c["age_s"] >= 0 for c in status)
 
     out = gridctl(grid, "gw-a", "explain", MODEL)
     assert out.returncode == 0, out.stderr
@@ -257,17 +275,21 @@ def test_gridctl_explain_and_watch_on_a_running_grid(grid):
     assert len(reasons) == 2 and all("capacity" in r and "reading" in r for r in reasons)
 
     unknown = gridctl(grid, "gw-a", "explain", "no-such-model")
-    assert unknown.returncode == 0 and f"404: no site serves 'no-such-model' (models here: {MODEL})" in unknown.stdout
+    assert unknown.returncode == 0
+    assert f"404: no site serves 'no-such-model' (models here: {MODEL})" in unknown.stdout
 
     watched = gridctl(grid, "gw-a", "watch", "status", "--count", "2", "--interval", "0.5")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("every 0.5s: gridctl status") == 2
-    assert watched.stdout.count("role        gateway") == 2 and "\x1b[2J" not in watched.stdout  # not a terminal
+    # stdout is not a terminal: no screen clearing
+    assert watched.stdout.count("role        gateway") == 2 and "\x1b[2J" not in watched.stdout
     watched = gridctl(grid, "gw-a", "watch", "explain", MODEL, "--count", "1", "--json")
     assert watched.returncode == 0 and json.loads(watched.stdout)["explain"]["model"] == MODEL
     # A reader that goes away (`gridctl watch | head -1`) ends the watch quietly, no traceback.
-    reader = subprocess.Popen([sys.executable, "-c", "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
-                               "--socket", str(grid["ws"] / "run" / "gw-a.sock"), "watch", "status", "--interval", "0.2",
+    reader = subprocess.Popen([sys.executable, "-c",
+                               "from gridd.cli import gridctl_main; raise SystemExit(gridctl_main())",
+                               "--socket", str(grid["ws"] / "run" / "gw-a.sock"), "watch", "status",
+                               "--interval", "0.2",
                                "--count", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert reader.stdout.readline().startswith(b"every 0.2s: gridctl status")
     reader.stdout.close()

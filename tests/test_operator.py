@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
+from gridd.childprocs import free_ports
 from gridd.config import load_config
 from gridd.operator.service import OperatorService
 from gridd.sim.app import SimApp
@@ -39,7 +39,7 @@ providers:
 """
 
 
-class Rig:
+class SimOperator:
     """An operator whose scrapes reach an in-process simulator (no sockets, virtual time)."""
 
     def __init__(self, tmp_path, *, extra: str = "", **knobs) -> None:
@@ -67,7 +67,7 @@ class Rig:
 
 
 async def test_zero_ready_twice_without_engine_answer_is_not_ready(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, endpoints=2)
+    rig = SimOperator(tmp_path, endpoints=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()  # passes run at origin + 0, 1, 2, ... (1 s scrape)
@@ -87,7 +87,7 @@ async def test_zero_ready_twice_without_engine_answer_is_not_ready(tmp_path, aut
 
 
 async def test_zero_ready_with_a_recent_engine_answer_stays_ready_for_30_s(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, endpoints=2, ttft_s=0.05, tpot_s=0.01)
+    rig = SimOperator(tmp_path, endpoints=2, ttft_s=0.05, tpot_s=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()
@@ -107,7 +107,7 @@ async def test_zero_ready_with_a_recent_engine_answer_stays_ready_for_30_s(tmp_p
 
 
 async def test_body_over_cap_is_body_cap_and_unknown(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, endpoints=1)
+    rig = SimOperator(tmp_path, endpoints=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()
@@ -128,7 +128,7 @@ async def test_body_over_cap_is_body_cap_and_unknown(tmp_path, autojump_clock):
 
 
 async def test_body_of_exactly_the_cap_is_accepted(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, endpoints=1, body_bytes=1024 * 1024)
+    rig = SimOperator(tmp_path, endpoints=1, body_bytes=1024 * 1024)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         await trio.sleep(0.5)
@@ -140,7 +140,7 @@ async def test_body_of_exactly_the_cap_is_accepted(tmp_path, autojump_clock):
 
 
 async def test_vllm_direct_is_never_not_ready_for_lack_of_pool_series(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, flavour="vllm", endpoints=2)
+    rig = SimOperator(tmp_path, flavour="vllm", endpoints=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()
@@ -154,7 +154,7 @@ async def test_vllm_direct_is_never_not_ready_for_lack_of_pool_series(tmp_path, 
 
 
 async def test_stale_after_scrapes_stop_answering(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, endpoints=1)
+    rig = SimOperator(tmp_path, endpoints=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()
@@ -176,7 +176,7 @@ async def test_exported_series_pass_promtool(tmp_path, autojump_clock):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install Debian's 'prometheus' package (scripts/bootstrap does)")
-    rig = Rig(tmp_path, endpoints=2)
+    rig = SimOperator(tmp_path, endpoints=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         await trio.sleep(1.5)
@@ -201,12 +201,6 @@ async def test_exported_series_pass_promtool(tmp_path, autojump_clock):
 # -- real processes: the publisher epoch across restarts ----------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _generation_series(metrics_url: str, deadline_s: float = 20.0) -> tuple[int, int]:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -224,7 +218,7 @@ def _generation_series(metrics_url: str, deadline_s: float = 20.0) -> tuple[int,
 
 @pytest.mark.realproc
 def test_restarts_publish_strictly_increasing_epoch_and_sequence(tmp_path):
-    sim_port, metrics_port = _free_port(), _free_port()
+    sim_port, metrics_port = free_ports(2)
     sim = subprocess.Popen([sys.executable, "-m", "gridd", "sim", "--port", str(sim_port)],
                            stderr=subprocess.DEVNULL)
     config = tmp_path / "operator.yaml"
@@ -256,7 +250,7 @@ def test_restarts_publish_strictly_increasing_epoch_and_sequence(tmp_path):
 async def test_recreated_provider_keeps_a_rising_sequence_that_receivers_admit(tmp_path, autojump_clock):
     from gridd.core.admission import AdmissionFences, Outcome
 
-    rig = Rig(tmp_path, endpoints=1)
+    rig = SimOperator(tmp_path, endpoints=1)
     fences = AdmissionFences()
     seen = []
     async with trio.open_nursery() as nursery:
@@ -319,7 +313,7 @@ def test_unpublishable_values_travel_as_a_verdict_alone_and_time_never_goes_back
 
 
 async def test_own_series_go_stale_on_metrics_when_scraping_stops(tmp_path, autojump_clock):
-    rig = Rig(tmp_path, endpoints=2)
+    rig = SimOperator(tmp_path, endpoints=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()
@@ -350,7 +344,7 @@ def test_a_body_of_too_many_lines_fails_as_parse_before_parsing():
 
 async def test_scrape_and_readiness_transitions_are_logged_once_each(tmp_path, autojump_clock, caplog):
     caplog.set_level(logging.INFO, logger="gridd.operator")
-    rig = Rig(tmp_path, endpoints=1)
+    rig = SimOperator(tmp_path, endpoints=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(rig.operator.run)
         origin = trio.current_time()

@@ -9,22 +9,22 @@ timing assertions).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
+import support
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
+from support import write_certs
 
-from gridd import certs
 from gridd.config import load_config
 from gridd.config_schema import LimitsConfig, PeerConfig, TimingConfig
 from gridd.core.admission import AdmissionFences
 from gridd.core.holdings import Holdings
-from gridd.core.readings import Revision
 from gridd.errors import ConfigError
 from gridd.link.periodic import next_start, run_periodic
 from gridd.link.session import ChannelError
@@ -32,7 +32,7 @@ from gridd.link.supervisor import TaskSupervisor
 from gridd.operator.peers import PeerSupervisor
 from gridd.operator.service import OperatorService
 from gridd.tls import PeerIdentity, TLSMaterialError
-from gridd.wire import PROTOCOL_VERSION, Batch, Batches, Message, Poll
+from gridd.wire import PROTOCOL_VERSION, Batches, Message, Poll
 
 TD = "grid.local"
 WALL0 = 1_700_000_000.0  # the receiver's wall clock at trio time 0
@@ -41,10 +41,8 @@ PEER_B = PeerConfig(site="b", url="wss://127.0.0.1:9001/signals")
 PEER_C = PeerConfig(site="c", url="wss://127.0.0.1:9002/signals")
 
 
-def batch(site: str = "b", provider: str = "m", *, epoch: int = 1_699_999_000, seq: int = 1,
-          age_s: float = 0.0) -> Batch:
-    return Batch(site=site, provider=provider, model="m", published_ms=int(epoch * 1000) + seq, age_s=age_s,
-                 revision=Revision("uid", 1, epoch, seq, 0), complete=False, ready=True)
+# A batch without a reading from operator b, its epoch 1000 s before WALL0.
+batch = partial(support.batch, epoch=1_699_999_000, complete=False)
 
 
 class FakeLink:
@@ -137,7 +135,7 @@ async def test_an_exchange_that_overruns_the_interval_is_followed_by_the_next_at
 async def test_one_hanging_peer_does_not_delay_another(autojump_clock, nursery):
     h = Harness()
     h.scripts["b"] = lambda n: None
-    h.scripts["c"] = lambda n: [batch("c", seq=n + 1)]
+    h.scripts["c"] = lambda n: [batch(site="c", seq=n + 1)]
     await start(nursery, h, [PEER_B, PEER_C])
     await trio.sleep(15.5)
     assert h.link(PEER_C).started_at == [0.0, 5.0, 10.0, 15.0]
@@ -273,8 +271,8 @@ async def test_a_flapping_peer_cannot_flood_the_log(autojump_clock, nursery, cap
 
 async def test_reload_restarts_only_the_changed_poller(autojump_clock, nursery):
     h = Harness()
-    h.scripts["b"] = lambda n: [batch("b", seq=n + 1)]
-    h.scripts["c"] = lambda n: [batch("c", seq=n + 1)]
+    h.scripts["b"] = lambda n: [batch(site="b", seq=n + 1)]
+    h.scripts["c"] = lambda n: [batch(site="c", seq=n + 1)]
     await start(nursery, h, [PEER_B, PEER_C])
     await trio.sleep(7.0)
     task_b = h.supervisor.tasks[("b", PEER_B.url)]
@@ -347,18 +345,6 @@ peers:
 {peers}
 timings: {{peer_poll_interval_s: 5, peer_poll_budget_s: 10}}
 """
-
-
-def write_certs(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = certs.create_ca(TD, now=time.time(), days=2)
-    (directory / "ca.pem").write_bytes(certs.certificate_pem(ca_cert))
-    for name, identity in (("a-operator", PeerIdentity(TD, "a", "operator")),
-                           ("a-operator-2", PeerIdentity(TD, "a", "operator")),
-                           ("b-operator", PeerIdentity(TD, "b", "operator"))):
-        cert, key = certs.issue_certificate(ca_cert, ca_key, identity, now=time.time(), days=1)
-        (directory / f"{name}.pem").write_bytes(certs.certificate_pem(cert))
-        (directory / f"{name}-key.pem").write_bytes(certs.private_key_pem(key))
 
 
 def operator_config(tmp_path: Path, *, cert: str = "a-operator", key: str | None = None,

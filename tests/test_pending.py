@@ -8,8 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_selection import view
-from test_store import WALL, Feed, load, store
+from support import WALL, BatchFeed, load, store, view
 
 from gridd.core.decisions import Forward, Unavailable
 from gridd.core.ordering import build_snapshot
@@ -63,11 +62,11 @@ def test_forget_and_retune() -> None:
 
 # --- through the store ------------------------------------------------------------------------
 
-def two_sites(feed: Feed | None = None, **knobs: object) -> GatewayStore:
+def two_sites(feed: BatchFeed | None = None, **knobs: object) -> GatewayStore:
     """b and c, two endpoints each (capacity 16, the prior), in flight 4 and 6: rho 0.25 and
     0.375, exact in binary so the picks below never tie."""
     s = store(**knobs)
-    feed = feed or Feed()
+    feed = feed or BatchFeed()
     s.ingest([feed.batch("b", ld=load(running=2.0)), feed.batch("c", ld=load(running=3.0))],
              now=0.0, now_wall=WALL)
     assert [(v.site, v.capacity, v.rho) for v in s.snapshots["m"].ordered] == [("b", 16.0, 0.25),
@@ -115,7 +114,7 @@ def test_pending_weight_scales_the_count() -> None:
 
 
 def test_only_sends_after_the_reading_was_taken_count() -> None:
-    feed = Feed()
+    feed = BatchFeed()
     s = two_sites(feed)
     assert picks(s, [0.5, 1.0, 1.5]) == ["b", "c", "b"]
     b = s.snapshots["m"].ordered[0]
@@ -152,6 +151,6 @@ def test_spec_tiers_keeps_the_specs_rule_without_pending_load() -> None:
 
 def test_no_pending_for_an_answer_that_is_not_a_forward() -> None:
     s = store()
-    s.ingest([Feed().batch("b", ready=False)], now=0.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("b", ready=False)], now=0.0, now_wall=WALL)
     assert isinstance(s.decide("m", now=0.5, rng=random.Random(1)), Unavailable)
     assert s.sends.since(KEY, -1.0) == 0

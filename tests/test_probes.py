@@ -146,15 +146,21 @@ def test_a_refused_rule_is_skipped_and_the_others_still_run():
     assert extractor.extract(VLLM_BODY) == {"num_requests_waiting": 3.0}
 
 
-def test_rules_compile_once_per_rule_set():
-    rules = [rx(SPEC_REGEX)]
+def test_rules_compile_once_per_rule_set(monkeypatch):
     from gridd.core import probes
 
-    extract(VLLM_BODY, rules)
-    before = probes._extractor_for.cache_info()
-    extract(VLLM_BODY, list(rules))
-    after = probes._extractor_for.cache_info()
-    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+    built: list[tuple] = []
+
+    class CountedExtractor(Extractor):
+        def __init__(self, rules) -> None:
+            built.append(tuple(rules))
+            super().__init__(rules)
+
+    monkeypatch.setattr(probes, "Extractor", CountedExtractor)
+    rules = [rx(SPEC_REGEX + "(?#compiled once)")]  # a rule set no other test has compiled
+    assert extract(VLLM_BODY, rules) == {"num_requests_waiting": 3.0}
+    assert extract(VLLM_BODY, list(rules)) == {"num_requests_waiting": 3.0}  # an equal set: the same extractor
+    assert built == [tuple(rules)]
 
 
 # -- aggregation: exact numbers ---------------------------------------------------------------------

@@ -19,53 +19,21 @@ import pytest
 import trio
 import yaml
 from prometheus_client import CollectorRegistry
-from realproc import free_ports, gridctl_status, start_gridd, stop_all, wait_until
+from realproc import gridctl_status, start_gridd, wait_until
+from support import PROVIDERS_CONFIG as CONFIG
+from support import PROVIDERS_ENV as ENV
+from support import WRITE_TOKEN, ProvidersRig
 
 from gridd.api.access import bearer_matches, check_api_exposure
 from gridd.api.config_edits import delete_provider, upsert_provider
-from gridd.api.providers import ProvidersAPI
 from gridd.api.redaction import MASK, find_mask, redact_provider
 from gridd.api.secret_origins import secret_bindings
+from gridd.childprocs import free_ports, stop_processes
 from gridd.config import load_config, parse_config
 from gridd.errors import ConfigError, StateError
 from gridd.operator.service import OperatorService
 
-WRITE_TOKEN = "file-token-0123456789"
 JSON = {"content-type": "application/json"}
-ENV = {"LLAMA_KEY": "llama-secret", "SECRET_KEY": "from-env", "ADMIN_TOKEN": "s3cret-admin"}
-
-CONFIG = """\
-# The operator of site a. (This comment is lost on the first API write: docs/providers-api.md.)
-role: operator
-site: a
-state_dir: state
-listen:
-  http: 127.0.0.1:0
-{api}providers:
-  - name: local
-    type: hosted_vllm
-    model: Qwen/Qwen3.5-9B
-    enabled: true
-    metadata: {{labels: [local], cost: 0}}
-    settings:
-      endpoint: http://localhost:8088/v1
-      timeout: 300.0
-      auth: {{scheme: none, api_key: null, custom_headers: {{}}}}
-  - name: keyed
-    model: meta-llama/Llama-3.1-8B-Instruct
-    settings:
-      endpoint: http://127.0.0.1:8089/v1
-      auth: {{scheme: bearer, api_key: "${{LLAMA_KEY}}"}}
-  - name: secret
-    model: m
-    settings:
-      endpoint: http://127.0.0.1:8090/v1
-      auth:
-        scheme: bearer
-        api_key: sk-literal
-        custom_headers: {{x-api-key: hdr-secret, x-team: blue}}
-    metrics: {{url: "http://scraper:pw@127.0.0.1:8090/metrics"}}
-"""
 
 EXAMPLE_2 = {
     "settings": {
@@ -87,38 +55,6 @@ EXAMPLE_2 = {
         ],
     }
 }
-
-
-class Rig:
-    """The app over a tmp config file; ``reload`` stands in for the daemon's staged reload:
-    it reloads the file (or rejects with ``reject``) and records each call."""
-
-    def __init__(self, tmp_path, *, api: str = "", max_body_bytes: int | None = None) -> None:
-        self.path = tmp_path / "operator.yaml"
-        self.path.write_text(CONFIG.format(api=api))
-        self.loaded = load_config(self.path, env=ENV)
-        self.reloads = 0
-        self.reject: str | None = None
-        self.reload_delay_s = 0.0
-        kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-        self.app = ProvidersAPI(loaded=lambda: self.loaded, reload=self.reload, env=ENV,
-                                write_token=lambda: WRITE_TOKEN, **kwargs)
-        # Writes always need a token (docs/security.md): the rig's client sends the token
-        # file's unless a test says otherwise.
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1",
-                                        headers={"authorization": f"Bearer {WRITE_TOKEN}"})
-        self.anonymous = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1")
-
-    async def reload(self):
-        self.reloads += 1
-        await trio.sleep(self.reload_delay_s)
-        if self.reject:
-            return {"result": "error", "error": self.reject}
-        self.loaded = await trio.to_thread.run_sync(lambda: load_config(self.path, env=ENV))
-        return {"result": "ok", "error": None}
-
-    def on_disk(self) -> dict:
-        return yaml.safe_load(self.path.read_text())
 
 
 def error_of(resp: httpx.Response) -> dict:
@@ -257,7 +193,7 @@ def test_api_exposure(listen, token, refused):
 
 
 async def test_get_lists_and_redacts(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     listed = (await rig.client.get("/v1/providers")).json()
     assert listed["object"] == "list"
     assert [p["name"] for p in listed["data"]] == ["local", "keyed", "secret"]
@@ -276,7 +212,7 @@ async def test_get_lists_and_redacts(tmp_path):
 
 
 async def test_example_2_settings_only_keeps_other_fields(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     resp = await rig.client.post("/v1/providers/local", json=EXAMPLE_2)
     assert resp.status_code == 200, resp.text
     assert rig.reloads == 1
@@ -303,7 +239,7 @@ async def test_example_2_settings_only_keeps_other_fields(tmp_path):
 
 async def test_edit_in_place_round_trips_a_get(tmp_path):
     """Spec 004 "edit in place": a GET (no secret) spliced and POSTed back."""
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     current = (await rig.client.get("/v1/providers/local")).json()
     probe = EXAMPLE_2["settings"]["probes"][0]
     payload = {"settings": {**current["settings"], "probes": [
@@ -315,7 +251,7 @@ async def test_edit_in_place_round_trips_a_get(tmp_path):
 
 
 async def test_create_and_delete(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     body = {"model": "new-model", "settings": {"endpoint": "http://127.0.0.1:9000/v1"}}
     resp = await rig.client.post("/v1/providers/fresh", json=body)
     assert resp.status_code == 201, resp.text
@@ -361,7 +297,7 @@ async def test_create_and_delete(tmp_path):
      "settings.auth.api_key"),
 ])
 async def test_refused_posts_change_nothing(tmp_path, name, body, status, code, message, param):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     before = rig.path.read_bytes()
     resp = await rig.client.post(f"/v1/providers/{name}", json=body)
     assert resp.status_code == status
@@ -372,7 +308,7 @@ async def test_refused_posts_change_nothing(tmp_path, name, body, status, code, 
 
 async def test_redacted_get_posted_back_is_refused_until_resupplied(tmp_path):
     """Spec 004, Secrets caveat."""
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     before = rig.path.read_bytes()
     shown = (await rig.client.get("/v1/providers/secret")).json()
     resp = await rig.client.post("/v1/providers/secret", json=shown)
@@ -406,7 +342,7 @@ async def test_redacted_get_posted_back_is_refused_until_resupplied(tmp_path):
     ("GET", "/", 404, None),
 ])
 async def test_routes(tmp_path, method, path, status, allow):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     resp = await rig.client.request(method, path)
     assert resp.status_code == status
     assert error_of(resp)["code"] == ("method_not_allowed" if status == 405 else "not_found")
@@ -421,7 +357,7 @@ async def test_routes(tmp_path, method, path, status, allow):
     (b"[" * 10000 + b"]" * 10000, "the request body "),
 ])
 async def test_malformed_json_is_400(tmp_path, content, message):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     resp = await rig.client.post("/v1/providers/local", headers=JSON, content=content)
     assert resp.status_code == 400
     err = error_of(resp)
@@ -433,28 +369,28 @@ async def test_malformed_json_is_400(tmp_path, content, message):
 async def test_nesting_bound(tmp_path, levels, code):
     """32 levels of containers pass the JSON check (and fail as config); deeper is refused
     before anything recursive (copy, YAML dump) sees it."""
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     body = b'{"metadata": ' + b'{"a": ' * levels + b"1" + b"}" * levels + b"}"
     resp = await rig.client.post("/v1/providers/local", headers=JSON, content=body)
     assert resp.status_code == 400 and error_of(resp)["code"] == code
 
 
 async def test_body_cap(tmp_path):
-    rig = Rig(tmp_path, max_body_bytes=64)
+    rig = ProvidersRig(tmp_path, max_body_bytes=64)
     at_cap = b'{"enabled": true' + b" " * (64 - 17) + b"}"
     assert len(at_cap) == 64
     assert (await rig.client.post("/v1/providers/local", headers=JSON, content=at_cap)).status_code == 200
     over = await rig.client.post("/v1/providers/local", headers=JSON, content=at_cap + b" ")
     assert over.status_code == 413 and error_of(over)["code"] == "request_too_large"
     (tmp_path / "default").mkdir()
-    default = Rig(tmp_path / "default")
+    default = ProvidersRig(tmp_path / "default")
     huge = await default.client.post("/v1/providers/local", headers=JSON,
                                      content=b'{"model": "' + b"x" * (1024 * 1024) + b'"}')
     assert huge.status_code == 413
 
 
 async def test_rejected_reload_restores_the_file(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     os.chmod(rig.path, 0o640)
     before, loaded = rig.path.read_bytes(), rig.loaded
     rig.reject = "listen.signals: changed; restart gridd to apply"
@@ -470,7 +406,7 @@ async def test_rejected_reload_restores_the_file(tmp_path):
 
 
 async def test_write_keeps_the_file_mode_and_drops_comments(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     os.chmod(rig.path, 0o640)
     assert (await rig.client.post("/v1/providers/local", json=EXAMPLE_2)).status_code == 200
     assert stat.S_IMODE(os.stat(rig.path).st_mode) == 0o640
@@ -479,7 +415,7 @@ async def test_write_keeps_the_file_mode_and_drops_comments(tmp_path):
 
 
 async def test_file_edited_and_not_reloaded_is_not_overwritten(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     edited = rig.path.read_text().replace("cost: 0", "cost: 7")
     rig.path.write_text(edited)
     resp = await rig.client.post("/v1/providers/local", json=EXAMPLE_2)
@@ -491,7 +427,7 @@ async def test_file_edited_and_not_reloaded_is_not_overwritten(tmp_path):
 
 
 async def test_concurrent_mutations_are_serialized(tmp_path):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     rig.reload_delay_s = 0.05
     statuses: list[int] = []
 
@@ -509,7 +445,7 @@ async def test_concurrent_mutations_are_serialized(tmp_path):
 
 
 async def test_admin_token(tmp_path):
-    rig = Rig(tmp_path, api="api: {admin_token: \"${ADMIN_TOKEN}\"}\n")
+    rig = ProvidersRig(tmp_path, api="api: {admin_token: \"${ADMIN_TOKEN}\"}\n")
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret-admin"}):
         for method, path in (("GET", "/v1/providers"), ("POST", "/v1/providers/local"), ("GET", "/nowhere")):
             resp = await rig.anonymous.request(method, path, headers=headers, json=EXAMPLE_2)
@@ -524,10 +460,19 @@ async def test_admin_token(tmp_path):
     assert (await rig.client.get("/v1/providers")).status_code == 200
 
 
-async def test_operator_stage_guards_the_api(tmp_path):
+async def test_operator_stage_guards_the_api(tmp_path, monkeypatch):
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)  # the operator's API reads the process environment
     (tmp_path / "operator.yaml").write_text(CONFIG.format(api=""))
     operator = OperatorService(load_config(tmp_path / "operator.yaml", env=ENV), CollectorRegistry())
-    assert (await operator._reload_for_api())["result"] == "error"  # no daemon attached
+    # A write applies through the daemon's reload: with no daemon attached it is rejected.
+    operator.api_token = WRITE_TOKEN
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=operator.api), base_url="http://127.0.0.1",
+                                 headers={"authorization": f"Bearer {WRITE_TOKEN}"}) as client:
+        resp = await client.post("/v1/providers/local", json=EXAMPLE_2)
+    assert resp.status_code == 409, resp.text
+    assert error_of(resp)["message"].endswith("no daemon is attached to reload this operator")
+    assert (tmp_path / "operator.yaml").read_text() == CONFIG.format(api="")  # restored
     for old, new, message in (
         ("127.0.0.1:0", "127.0.0.1:1", "listen.http: changed; restart gridd to apply"),
         ("127.0.0.1:0", "0.0.0.0:0", "api.admin_token: required when the providers API listens"),
@@ -631,7 +576,7 @@ def test_real_operator_serves_the_providers_api(tmp_path):
         assert operator.wait(timeout=20) == 0
         assert "stopped" in operator.stderr.read()
     finally:
-        stop_all(procs)
+        stop_processes(procs, grace_s=10)
 
 
 @pytest.mark.realproc
@@ -691,7 +636,7 @@ def test_url_masking_gaps_closed(url, shown):
                              "auth": {"scheme": "bearer", "api_key": "sk-literal"}}}, None),
 ])
 async def test_secret_bound_to_origin(tmp_path, name, body, param):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     before = rig.path.read_bytes()
     resp = await rig.client.post(f"/v1/providers/{name}", json=body)
     if param is None:
@@ -727,7 +672,7 @@ def test_secret_bindings_of_a_provider():
     ({"authorization": f"Bearer {WRITE_TOKEN}"}, 415, "unsupported_media_type"),
 ])
 async def test_writes_need_a_token_and_json_and_no_origin(tmp_path, headers, status, code):
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     before = rig.path.read_bytes()
     resp = await rig.anonymous.post("/v1/providers/local", headers=headers, content=json.dumps(EXAMPLE_2))
     assert resp.status_code == status and error_of(resp)["code"] == code
@@ -745,7 +690,7 @@ async def test_writes_need_a_token_and_json_and_no_origin(tmp_path, headers, sta
 ])
 async def test_loopback_reads_need_a_loopback_host(tmp_path, host, status):
     """A DNS-rebinding page reads with its own name in Host; without a token that is refused."""
-    rig = Rig(tmp_path)
+    rig = ProvidersRig(tmp_path)
     resp = await rig.anonymous.get("/v1/providers", headers={"host": host})
     assert resp.status_code == status
     with_token = await rig.client.get("/v1/providers", headers={"host": host})

@@ -11,7 +11,9 @@ import sys
 
 import httpx
 import pytest
-from realproc import Processes, free_ports, gridctl_status, wait_until
+from realproc import Processes, gridctl_status, wait_until
+
+from gridd.childprocs import free_ports
 
 pytestmark = pytest.mark.realproc
 MODEL = "sim-model"
@@ -54,7 +56,8 @@ def test_two_gateway_replicas_share_the_front_port(tmp_path):
     for args in (["init"], ["issue", "--site", "a", "--role", "operator"],
                  ["issue", "--site", "a", "--role", "gateway", "--replica", "g1"],
                  ["issue", "--site", "a", "--role", "gateway", "--replica", "g2"]):
-        done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0], str(tmp_path / "certs"), *args[1:]],
+        done = subprocess.run([sys.executable, "-m", "gridd", "certs", args[0],
+                               str(tmp_path / "certs"), *args[1:]],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
     with Processes(tmp_path) as procs:
@@ -68,13 +71,14 @@ def test_two_gateway_replicas_share_the_front_port(tmp_path):
             procs.start(replica, "run", "--config", str(tmp_path / f"{replica}.yaml"))
         for replica in ("g1", "g2"):
             wait_until(lambda r=replica: (s := gridctl_status(tmp_path / "run" / f"{r}.sock")) is not None
-                       and s["role_status"]["operator_state"] == "up" and s["role_status"]["models"] == [MODEL],
-                       f"replica {replica} with routing data")
+                       and s["role_status"]["operator_state"] == "up"
+                       and s["role_status"]["models"] == [MODEL], f"replica {replica} with routing data")
         # A new connection per request (no client pool): the kernel spreads them over both
         # replicas. Bounded: at most 200 requests, each must be answered.
         for sent in range(1, 201):
             r = httpx.post(f"http://127.0.0.1:{front}/v1/chat/completions", timeout=10,
-                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 2})
             assert r.status_code == 200, r.text
             if sent % 10 == 0 and all(ok_requests(metrics[r]) > 0 for r in ("g1", "g2")):
                 break

@@ -11,9 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from test_capacity import Feed as LearnerFeed
-from test_capacity import epp
-from test_store import WALL, Feed, load, store
+from support import WALL, BatchFeed, LearnerFeed, epp, load, store
 
 from gridd.core.capacity import CapacityLearner
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
@@ -48,8 +46,9 @@ def test_cause1_one_request_waiting_at_one_endpoint_is_not_a_demonstrated_limit(
     not the pool's limit: the capacity stays 4 x 8 (the prior), not the 5 in flight.
     d003190: bound 5.0 (the least in-flight ever seen with work waiting)."""
     learner = CapacityLearner()
-    one_queued = LoadSignals(ready_endpoints=4, units=(UnitLoad("u0", waiting=1.0), UnitLoad("u1", waiting=0.0),
-                                                       UnitLoad("u2", waiting=0.0), UnitLoad("u3", waiting=0.0)),
+    one_queued = LoadSignals(ready_endpoints=4,
+                             units=(UnitLoad("u0", waiting=1.0), UnitLoad("u1", waiting=0.0),
+                                    UnitLoad("u2", waiting=0.0), UnitLoad("u3", waiting=0.0)),
                              avg_running=1.0, avg_waiting=0.25)
     LearnerFeed(learner)(0.0, one_queued)
     assert learner.bound == 32.0
@@ -78,7 +77,7 @@ def test_cause2_two_identical_vllm_backends_split_at_cold_start() -> None:
     d003190: 200 to b, 0 to c (a loaded first sample read rho 1; the tie went to the name
     that sorts first)."""
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("b", ld=vllm_backend(4.0, 4.0)), feed.batch("c", ld=vllm_backend(4.0, 4.0))],
              now=0.0, now_wall=WALL)
     counts = shares(s, [0.005 * i for i in range(1, 201)])
@@ -91,7 +90,7 @@ def test_cause2_the_busier_backend_does_not_take_everything() -> None:
     them all (b takes at least a quarter).
     d003190: all 200 to c (the higher learned soft bound, 17, both read at rho 1)."""
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("b", ld=vllm_backend(2.0, 2.0)), feed.batch("c", ld=vllm_backend(8.0, 9.0))],
              now=0.0, now_wall=WALL)
     counts = shares(s, [0.005])
@@ -108,10 +107,11 @@ def test_cause3_a_two_to_one_site_pair_at_light_load_routes_about_two_to_one() -
     units from the first batch (4 x 8 against 2 x 8), so the bigger site takes about 2/3.
     d003190: 600 of 600 to b (capacity learned from the traffic seen: 2 and 1, both at rho 1)."""
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     counts: Counter[str] = Counter()
     for second in range(6):
-        s.ingest([feed.batch("b", ld=load(ready=4, running=0.5)), feed.batch("c", ld=load(ready=2, running=0.5))],
+        s.ingest([feed.batch("b", ld=load(ready=4, running=0.5)),
+                  feed.batch("c", ld=load(ready=2, running=0.5))],
                  now=float(second), now_wall=WALL)
         counts += shares(s, [second + 0.01 * i for i in range(1, 101)])
     assert abs(counts["b"] / 600 - 2 / 3) <= 0.05, counts
@@ -125,7 +125,7 @@ def test_cause4_shedding_ends_room_after_s_into_relief_while_another_site_stays_
     room_after_s (5 s) later, at t = 9, and the request goes to c.
     d003190: still Shed at 9.0 (and for as long as b stays full)."""
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
-    feed = Feed()
+    feed = BatchFeed()
     busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
     idle = load(ready=2, running=0.0, waiting=0.0, kv=0.0)
     for t in range(0, 4):
@@ -148,9 +148,10 @@ def test_cause5_a_stale_site_is_not_chosen_before_a_full_one_nor_blocks_shedding
     requests go to b, not to c, and the model sheds exactly full_after_s later, at t = 4.
     d003190: every request to the stale c, and never a shed."""
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
-    feed = Feed()
+    feed = BatchFeed()
     busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
-    s.ingest([feed.batch("b", ld=busy), feed.batch("c", ld=load(running=0.0), age_s=19.0)], now=0.0, now_wall=WALL)
+    s.ingest([feed.batch("b", ld=busy), feed.batch("c", ld=load(running=0.0), age_s=19.0)], now=0.0,
+             now_wall=WALL)
     for t in (1.0, 2.0, 3.0):
         s.ingest([feed.batch("b", ld=busy)], now=t, now_wall=WALL)
     assert shares(s, [2.0, 3.0, 3.999]) == Counter({"b": 3})
@@ -165,7 +166,7 @@ def test_cause6_a_model_served_only_by_a_silent_site_is_503_until_the_retention(
     until candidate_retention_s (600 s); past that, 404.
     d003190: UnknownModel (404 model_not_found) from t = 40.5."""
     s = store()
-    s.ingest([Feed().batch("b")], now=0.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("b")], now=0.0, now_wall=WALL)
     s.ingest([], now=20.0, now_wall=WALL)
     s.ingest([], now=40.0, now_wall=WALL)
     assert isinstance(s.decide("m", now=40.0, rng=random.Random(1)), Forward)  # stale, still routed

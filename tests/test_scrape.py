@@ -88,7 +88,8 @@ async def test_failure_classes():
     async with httpx.AsyncClient(transport=transport({}, fail=fail)) as client:
         got = {}
         for host in ("refused", "tls", "slow", "reset", "status5xx"):
-            got[host] = (await scrape_one(client, ScrapeTarget(host, f"http://{host}/m", 5.0), CAP)).failure_class
+            result = await scrape_one(client, ScrapeTarget(host, f"http://{host}/m", 5.0), CAP)
+            got[host] = result.failure_class
     assert got == {"refused": "connect", "tls": "tls", "slow": "timeout", "reset": "connect",
                    "status5xx": "http_status"}
 

@@ -19,7 +19,9 @@ import time
 import httpx
 import pytest
 import yaml
-from realproc import free_ports, gridctl, gridctl_status, start_gridd, stop_all, wait_until
+from realproc import gridctl, gridctl_status, start_gridd, wait_until
+
+from gridd.childprocs import free_ports, stop_processes
 
 pytestmark = pytest.mark.realproc
 
@@ -106,10 +108,12 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
             page = {"content-type": "text/plain", "origin": "http://evil.example", "host": "evil.example"}
             body = json.dumps({"metrics": {"url": f"{evil}/metrics"}})
             assert client.post("/v1/providers/secret", headers=page, content=body).status_code == 403
-            resp = client.post("/v1/providers/secret", headers={"content-type": "application/json"}, content=body)
+            resp = client.post("/v1/providers/secret", headers={"content-type": "application/json"},
+                               content=body)
             assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
             assert client.delete("/v1/providers/secret").status_code == 401
-            assert client.get("/v1/providers/secret").json()["settings"]["auth"]["api_key"] == "***REDACTED***"
+            shown = client.get("/v1/providers/secret").json()
+            assert shown["settings"]["auth"]["api_key"] == "***REDACTED***"
             assert client.get("/v1/providers/secret", headers={"host": "evil.example"}).status_code == 403
             assert path.read_bytes() == before
 
@@ -134,15 +138,17 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
             ):
                 resp = client.post(f"/v1/providers/{name}", headers=auth, json=fields)
                 assert resp.status_code == 400, resp.text
-                assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == ("secret_origin_changed",
-                                                                                         param)
+                error = resp.json()["error"]
+                assert (error["code"], error["param"]) == ("secret_origin_changed", param)
             assert path.read_bytes() == before
             # Only metrics.url changed to another origin: accepted, but the stored key stays home.
-            resp = client.post("/v1/providers/secret", headers=auth, json={"metrics": {"url": f"{evil}/metrics"}})
+            resp = client.post("/v1/providers/secret", headers=auth,
+                               json={"metrics": {"url": f"{evil}/metrics"}})
             assert resp.status_code == 200, resp.text
             wait_until(lambda: len(capture.seen) >= 3, "three scrapes at the new metrics URL")
             assert all("authorization" not in h for h in capture.seen), capture.seen
-            assert "sk-literal" not in json.dumps(capture.seen) and "sim-secret" not in json.dumps(capture.seen)
+            seen = json.dumps(capture.seen)
+            assert "sk-literal" not in seen and "sim-secret" not in seen
 
             # Item 3: a file sink outside the workspace (the issue's overwrite, max_entries 1).
             probe = {"name": "p", "endpoint": f"http://127.0.0.1:{sim_port}/metrics", "interval": 0.5,
@@ -164,7 +170,7 @@ def test_real_operator_keeps_secrets_home_and_its_api_and_files_closed(tmp_path)
     finally:
         capture.close()
         victim.unlink(missing_ok=True)
-        stop_all(procs)
+        stop_processes(procs, grace_s=10)
 
 
 def _open_fds(pid: int) -> int:
@@ -232,7 +238,7 @@ def test_real_providers_api_bounds_slow_bodies_and_connections(tmp_path):
     finally:
         for sock in slow:
             sock.close()
-        stop_all([operator])
+        stop_processes([operator], grace_s=10)
     assert operator.returncode == 0
 
 
@@ -242,9 +248,10 @@ def test_real_operator_bounds_a_flooding_peer(tmp_path):
     are refused, and names it stopped sending are forgotten after 2 x the TTL, so new ones get
     in while the held count stays at the cap."""
     certs = tmp_path / "certs"
-    for args in (["init"], ["issue", "--site", "a", "--role", "operator"], ["issue", "--site", "b", "--role", "operator"]):
-        subprocess.run([sys.executable, "-m", "gridd", "certs", *args, str(certs)], check=True, capture_output=True,
-                       timeout=60)
+    for args in (["init"], ["issue", "--site", "a", "--role", "operator"],
+                 ["issue", "--site", "b", "--role", "operator"]):
+        subprocess.run([sys.executable, "-m", "gridd", "certs", *args, str(certs)], check=True,
+                       capture_output=True, timeout=60)
     sig_port, peer_port, met_port = free_ports(3)
     path = tmp_path / "operator.yaml"
     path.write_text(f"""\
@@ -277,10 +284,11 @@ limits: {{peer_max_providers: 50}}
         state = wait_until(lambda: (p := peer()) and p["batches"]["accepted"] >= 150 and p,
                            "forgotten names making room")
         # ...while the held count never passes it, and the long name never gets in.
-        assert state["held"] <= 50 and state["refused"]["provider_cap"] > 0 and state["refused"]["name_length"] >= 1
+        assert state["held"] <= 50
+        assert state["refused"]["provider_cap"] > 0 and state["refused"]["name_length"] >= 1
         metrics = httpx.get(f"http://127.0.0.1:{met_port}/metrics", timeout=5).text
         assert "long-x" not in metrics and len(metrics) < 200_000
         assert len({line.split('grid_provider="')[1].split('"')[0]
                     for line in metrics.splitlines() if 'grid_provider="flood-' in line}) <= 50
     finally:
-        stop_all(procs)
+        stop_processes(procs, grace_s=10)

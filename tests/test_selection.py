@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import view
 
 from gridd.core.capacity import CapacityLearner
 from gridd.core.ordering import CandidateView, OrderedSnapshot, build_snapshot, candidate_view
@@ -33,10 +34,6 @@ from gridd.core.selection import (
 from gridd.core.shedding import ShedState
 
 DRAWS = 20_000
-
-
-def view(site: str, capacity: float = 10.0, rho: float = 0.5, **kw: object) -> CandidateView:
-    return CandidateView(site=site, provider="p", model="m", capacity=capacity, rho=rho, **kw)
 
 
 def frequencies(snap: OrderedSnapshot, draws: int = DRAWS,

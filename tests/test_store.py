@@ -6,46 +6,12 @@ from __future__ import annotations
 
 import random
 
+from support import WALL, BatchFeed, load, store
+
 from gridd.core.decisions import Forward, Shed, Unavailable, UnknownModel
 from gridd.core.knobs import RoutingKnobs
-from gridd.core.readings import LoadSignals, Revision, UnitLoad, sample_count
+from gridd.core.readings import LoadSignals, UnitLoad
 from gridd.core.store import GatewayStore
-from gridd.wire import Batch, LocalProvider, ServingConfig, SiteIngress
-
-WALL = 1_800_000_000.0
-SERVING = ServingConfig(
-    providers=(LocalProvider("llama", "m", "http://a-llama/v1"),),
-    ingresses=(SiteIngress("b", "http://b-gw"), SiteIngress("c", "http://c-gw")),
-)
-
-
-def load(*, ready=2, running=1.0, waiting=0.0, units=True, kv=0.2, flow=0.0) -> LoadSignals:
-    unit_list = tuple(UnitLoad(f"u{i}", waiting=waiting) for i in range(ready)) if units else ()
-    return LoadSignals(ready_endpoints=ready, units=unit_list, avg_running=running, avg_waiting=waiting,
-                       kv_mean=kv, kv_spread=0.0, flow_queue=flow,
-                       in_flight=(running + waiting) * ready + flow)
-
-
-class Feed:
-    """Publishes per-(site, provider) batches with increasing sequences, like an operator."""
-
-    def __init__(self) -> None:
-        self.seq: dict[tuple[str, str], int] = {}
-
-    def batch(self, site: str, provider: str = "llama", *, ready=True, ld: LoadSignals | None = None,
-              epoch: int = int(WALL) - 100, age_s: float = 0.0) -> Batch:
-        key = (site, provider)
-        self.seq[key] = self.seq.get(key, 0) + 1
-        ld = ld if ld is not None else load()
-        rev = Revision(f"uid-{site}", 1, epoch, self.seq[key], sample_count(ld))
-        return Batch(site=site, provider=provider, model="m", published_ms=int(WALL * 1000), age_s=age_s,
-                     revision=rev, complete=True, ready=ready, ready_reason="", load=ld)
-
-
-def store(**knobs) -> GatewayStore:
-    s = GatewayStore(site="a", knobs=RoutingKnobs(**knobs))
-    s.set_serving(SERVING)
-    return s
 
 
 def sites_picked(s: GatewayStore, now: float, n: int = 400) -> set[str]:
@@ -60,7 +26,7 @@ def sites_picked(s: GatewayStore, now: float, n: int = 400) -> set[str]:
 
 def test_unknown_model_is_404_and_excluded_only_is_503():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a", ld=load(ready=0))], now=0.0, now_wall=WALL)
     assert isinstance(s.decide("other", now=0.0, rng=random.Random(1)), UnknownModel)
     d = s.decide("m", now=0.0, rng=random.Random(1))
@@ -69,7 +35,7 @@ def test_unknown_model_is_404_and_excluded_only_is_503():
 
 def test_excluded_site_never_picked_while_a_healthy_one_exists():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a", ready=False), feed.batch("b")], now=0.0, now_wall=WALL)
     assert sites_picked(s, 0.0) == {"b"}
     # per-unit series stopped while the ready count kept coming: excluded too
@@ -86,7 +52,7 @@ def test_excluded_site_never_picked_while_a_healthy_one_exists():
 
 def test_stale_reading_sorts_last_but_is_used_when_alone():
     s = store(signal_ttl_s=20.0)
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a"), feed.batch("b", age_s=19.0)], now=0.0, now_wall=WALL)
     assert {v.site for v in s.snapshots["m"].ordered} == {"a", "b"}
     s.rebuild(1.5)  # b's reading is now 20.5 s old: past the TTL
@@ -94,13 +60,13 @@ def test_stale_reading_sorts_last_but_is_used_when_alone():
     assert order == [("a", False), ("b", True)]
     assert sites_picked(s, 1.5) == {"a"}
     only_b = store(signal_ttl_s=20.0)
-    only_b.ingest([Feed().batch("b", age_s=25.0)], now=0.0, now_wall=WALL)
+    only_b.ingest([BatchFeed().batch("b", age_s=25.0)], now=0.0, now_wall=WALL)
     assert sites_picked(only_b, 0.0) == {"b"}
 
 
 def test_replays_and_future_epochs_never_reach_the_store():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     first = feed.batch("b")
     s.ingest([first], now=0.0, now_wall=WALL)
     newer = feed.batch("b", ld=load(running=5.0))
@@ -120,7 +86,7 @@ def test_a_reading_ages_through_stale_and_silent_and_is_forgotten_after_retentio
     # A recent window as long as the TTL, so the TTL alone decides when b goes stale (with
     # the default 10 s window, a candidate with no new sample is stale after 10 s).
     s = store(signal_ttl_s=20.0, recent_window_s=30.0, candidate_retention_s=100.0)
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a"), feed.batch("b")], now=0.0, now_wall=WALL)
     # one answer without b (e.g. a restarted operator before its first peer poll) is no
     # proof b is gone: kept, ageing, and stale once past the TTL
@@ -142,7 +108,7 @@ def test_a_reading_ages_through_stale_and_silent_and_is_forgotten_after_retentio
 
 def test_a_model_whose_every_candidate_went_silent_is_503_silent_until_forgotten():
     s = store(signal_ttl_s=20.0, candidate_retention_s=100.0)
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("b")], now=0.0, now_wall=WALL)
     for t in (20.0, 40.0):
         s.ingest([], now=t, now_wall=WALL)
@@ -164,7 +130,7 @@ def test_a_model_whose_every_candidate_went_silent_is_503_silent_until_forgotten
 
 def test_a_removal_the_operator_announces_is_forgotten_at_once():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a"), feed.batch("b")], now=0.0, now_wall=WALL)
     # a removal named in the same answer as a batch of it: the batch wins (re-added)
     s.ingest([feed.batch("b")], now=1.0, now_wall=WALL, removed=[("b", "llama")])
@@ -174,7 +140,7 @@ def test_a_removal_the_operator_announces_is_forgotten_at_once():
     s.ingest([], now=3.0, now_wall=WALL, removed=[("a", "llama")])
     assert s.decide("m", now=3.0, rng=random.Random(1)) == UnknownModel()
     # the fences forgot it too: its sequence may restart
-    s.ingest([Feed().batch("a")], now=4.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("a")], now=4.0, now_wall=WALL)
     assert isinstance(s.decide("m", now=4.0, rng=random.Random(1)), Forward)
 
 
@@ -184,7 +150,7 @@ def test_no_routing_data_is_503_never_404():
     assert s.decide("other", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
     assert s.routing_data_problem(0.0) == "no routing data from the operator: no poll has succeeded yet"
     assert not s.has_routing_data(0.0)
-    s.ingest([Feed().batch("b")], now=1.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("b")], now=1.0, now_wall=WALL)
     assert s.routing_data_problem(21.0) is None and s.has_routing_data(21.0)
     assert isinstance(s.decide("m", now=21.0, rng=random.Random(1)), Forward)
     assert s.decide("other", now=21.0, rng=random.Random(1)) == UnknownModel()
@@ -201,14 +167,14 @@ def test_an_answer_whose_every_batch_is_dropped_is_no_routing_data():
     no routing data and must say so (503 naming the cause), not answer 404."""
     s = store(signal_ttl_s=20.0)
     ahead = int(WALL) + 3600  # publisher epochs an hour ahead of this gateway's clock
-    s.ingest([Feed().batch("a", epoch=ahead), Feed().batch("b", epoch=ahead)], now=0.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("a", epoch=ahead), BatchFeed().batch("b", epoch=ahead)], now=0.0, now_wall=WALL)
     assert s.decide("m", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
     assert s.routing_data_problem(0.0) == (
         "no usable routing data from the operator: every batch of its answers was dropped (skew 2) (skew: "
         "their publisher epochs are more than timings.future_epoch_bound_s ahead of this gateway's clock; "
         "check both clocks)")
     # One usable batch in an answer is routing data again.
-    s.ingest([Feed().batch("a", epoch=ahead), Feed().batch("b")], now=1.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("a", epoch=ahead), BatchFeed().batch("b")], now=1.0, now_wall=WALL)
     assert s.routing_data_problem(1.0) is None
     assert isinstance(s.decide("m", now=1.0, rng=random.Random(1)), Forward)
     # An empty answer (an operator with no providers) is routing data: nothing is served.
@@ -219,7 +185,7 @@ def test_an_answer_whose_every_batch_is_dropped_is_no_routing_data():
 
 def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
-    feed = Feed()
+    feed = BatchFeed()
     busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)  # every queue as deep as its batch
     for t in range(0, 4):
         s.ingest([feed.batch("a", ld=busy), feed.batch("b", ld=busy)], now=float(t), now_wall=WALL)
@@ -232,7 +198,7 @@ def test_shedding_never_hides_a_503_and_applies_to_pinned_requests():
 
 def test_an_epp_that_never_exposed_unit_series_is_not_excluded_for_lacking_them():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a", ld=load(units=False))], now=0.0, now_wall=WALL)
     assert [v.site for v in s.snapshots["m"].ordered] == ["a"]
     s.ingest([feed.batch("a")], now=1.0, now_wall=WALL)  # units appear ...
@@ -242,7 +208,7 @@ def test_an_epp_that_never_exposed_unit_series_is_not_excluded_for_lacking_them(
 
 def test_an_overflowing_reading_is_treated_as_missing_not_a_crash():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     huge = LoadSignals(ready_endpoints=2, units=(UnitLoad("u0"), UnitLoad("u1")), avg_running=1e308,
                        avg_waiting=0.0, kv_mean=0.1, kv_spread=0.0, in_flight=None)
     s.ingest([feed.batch("a", ld=huge), feed.batch("b")], now=0.0, now_wall=WALL)
@@ -252,7 +218,7 @@ def test_an_overflowing_reading_is_treated_as_missing_not_a_crash():
 
 def test_pinned_requests_are_served_locally_only_and_retry_excludes():
     s = store()
-    feed = Feed()
+    feed = BatchFeed()
     s.ingest([feed.batch("a", ld=load(running=9.0, kv=0.9)), feed.batch("b", ld=load(running=0.1))],
              now=0.0, now_wall=WALL)
     rng = random.Random(3)
@@ -265,7 +231,7 @@ def test_pinned_requests_are_served_locally_only_and_retry_excludes():
 
 def test_shedding_flips_after_full_after_and_back_after_room_after():
     s = store(shedding=True, full_after_s=2.0, room_after_s=5.0)
-    feed = Feed()
+    feed = BatchFeed()
     # Full: every unit's queue as deep as its batch (a limit of 4 per unit, rho 2).
     busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
     for t in range(0, 5):
@@ -285,7 +251,7 @@ def test_shedding_flips_after_full_after_and_back_after_room_after():
 
 def test_reconfigure_applies_new_knobs_and_keeps_learned_state():
     s = store(shedding=False, signal_ttl_s=20.0)
-    feed = Feed()
+    feed = BatchFeed()
     busy = load(ready=2, running=4.0, waiting=4.0, kv=0.99)
     for t in range(0, 4):
         s.ingest([feed.batch("a", ld=busy)], now=float(t), now_wall=WALL)
@@ -329,7 +295,7 @@ def test_pick_rule_knob_reaches_the_pick():
     picks = {}
     for rule in ("two_choices", "spec_tiers"):
         s = store(pick_rule=rule, pending_weight=0.0)
-        feed = Feed()
+        feed = BatchFeed()
         s.ingest([feed.batch("b", ld=load(running=1.0)), feed.batch("c", ld=load(running=2.0))],
                  now=0.0, now_wall=WALL)
         picks[rule] = sites_picked(s, 0.0)

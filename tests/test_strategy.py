@@ -9,7 +9,7 @@ import random
 from collections import Counter
 
 import pytest
-from test_store import WALL, Feed
+from support import WALL, BatchFeed
 
 from gridd.core.decisions import Forward, Unavailable, UnknownModel
 from gridd.core.knobs import RoutingKnobs
@@ -131,7 +131,7 @@ def picks(s: GatewayStore, now: float, n: int = 300) -> Counter:
 
 
 def test_store_a_site_over_the_bound_gets_nothing_and_all_over_is_503():
-    s, feed = strategy_store(), Feed()
+    s, feed = strategy_store(), BatchFeed()
     s.ingest([with_probes(feed.batch("a"), {WAITING: 7.0}), with_probes(feed.batch("b"), {WAITING: 1.0}),
               with_probes(feed.batch("c"), {WAITING: 2.0})], now=0.0, now_wall=WALL)
     # a is over the bound; of the two kept, two choices always draws both: the lower queue
@@ -142,14 +142,14 @@ def test_store_a_site_over_the_bound_gets_nothing_and_all_over_is_503():
 
 
 def test_store_excluded_wins_over_the_best_value():
-    s, feed = strategy_store("strict"), Feed()
+    s, feed = strategy_store("strict"), BatchFeed()
     s.ingest([with_probes(feed.batch("a", ready=False), {WAITING: 0.0}),
               with_probes(feed.batch("b"), {WAITING: 4.0})], now=0.0, now_wall=WALL)
     assert set(picks(s, 0.0)) == {"b"}  # a has the best value but is not ready
 
 
 def test_store_values_are_read_at_the_pick_and_age_out_at_the_ttl():
-    s, feed = strategy_store("strict"), Feed()
+    s, feed = strategy_store("strict"), BatchFeed()
     # b's value was produced 10 s before its batch's sample; c's with its batch
     s.ingest([with_probes(feed.batch("b"), {WAITING: 0.0}, {WAITING: 10.0}),
               with_probes(feed.batch("c"), {WAITING: 3.0})], now=0.0, now_wall=WALL)
@@ -158,7 +158,7 @@ def test_store_values_are_read_at_the_pick_and_age_out_at_the_ttl():
 
 
 def test_store_probe_only_candidate_is_ranked_on_its_probes():
-    s, feed = strategy_store("strict"), Feed()
+    s, feed = strategy_store("strict"), BatchFeed()
     probe_only = Batch(site="a", provider="probed", model="m", published_ms=int(WALL * 1000), age_s=0.0,
                        ready=None, ready_reason="NoMetricsSource", probes={WAITING: 0.0},
                        order=BatchOrder(int(WALL) - 100, 1))
@@ -167,7 +167,7 @@ def test_store_probe_only_candidate_is_ranked_on_its_probes():
     # without a strategy it has no load signal: used only when no candidate with one is left
     plain = GatewayStore(site="a")
     plain.set_serving(SERVING)
-    plain.ingest([probe_only, with_probes(Feed().batch("b"), {WAITING: 2.0})], now=0.0, now_wall=WALL)
+    plain.ingest([probe_only, with_probes(BatchFeed().batch("b"), {WAITING: 2.0})], now=0.0, now_wall=WALL)
     assert set(picks(plain, 0.0)) == {"b"}
 
 
@@ -181,7 +181,7 @@ def test_a_model_map_overrides_the_default():
 def test_explain_shows_the_strategys_filter_rank_and_the_503_decide_gives():
     from gridd.core.explain import explain_model
 
-    s, feed = strategy_store(), Feed()
+    s, feed = strategy_store(), BatchFeed()
     s.ingest([with_probes(feed.batch("a"), {WAITING: 7.0}), with_probes(feed.batch("b"), {WAITING: 1.0}),
               with_probes(feed.batch("c"), {WAITING: 2.0})], now=0.0, now_wall=WALL)
     e = explain_model(s, "m", now=0.0)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from realproc import Processes, free_ports, gridctl, gridctl_status, wait_until
+from realproc import Processes, gridctl, gridctl_status, wait_until
+
+from gridd.childprocs import free_ports
 
 pytestmark = pytest.mark.realproc
 MODEL = "Qwen/Qwen3.5-9B"
@@ -164,7 +166,8 @@ def candidate(ws: Path, provider: str) -> dict | None:
 
 def chat(gw: int, i: int) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+                      json={"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}],
+                            "max_tokens": 2})
 
 
 def test_example_1_verbatim_is_listed_and_answers_chat_through_a_gateway(certs, tmp_path):
@@ -180,8 +183,8 @@ def test_example_1_verbatim_is_listed_and_answers_chat_through_a_gateway(certs, 
         procs.start("op", "run", env={"GATEWAY_CONFIG": str(config), "GATEWAY_WORKSPACE": str(ws)})
         procs.start("gw", "run", "--config", str(ws / "gateway.yaml"))
         base = f"http://127.0.0.1:{p['gw']}"
-        wait_until(lambda: [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=2).json()["data"]] == [MODEL],
-                   "the gateway to list Example 1's model")
+        wait_until(lambda: [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=2).json()["data"]]
+                   == [MODEL], "the gateway to list Example 1's model")
         for i in range(5):
             resp = chat(p["gw"], i)
             assert resp.status_code == 200, resp.text
@@ -267,16 +270,19 @@ def served_by(gw: int, n: int) -> set[str]:
 def test_performance_based_drops_a_provider_over_the_bound_and_ranks_the_rest(certs, tmp_path):
     p = ports("busy", "calm", "bare", "sig", "met", "gw", "gmet")
     ws = tmp_path
-    (ws / "operator.yaml").write_text(operator_head(certs, p) + "providers:\n" + probed_provider("busy", p["busy"])
+    (ws / "operator.yaml").write_text(operator_head(certs, p) + "providers:\n"
+                                      + probed_provider("busy", p["busy"])
                                       + probed_provider("calm", p["calm"])
                                       + probed_provider("bare", p["bare"], waiting=False))
-    (ws / "gateway.yaml").write_text(gateway_config(certs, p, STRATEGY_YAML + "routing: {strategy: performance_based}\n"))
+    strategy = STRATEGY_YAML + "routing: {strategy: performance_based}\n"
+    (ws / "gateway.yaml").write_text(gateway_config(certs, p, strategy))
     with Processes(ws) as procs:
         # busy: one engine, one sequence, and a first token after 10 minutes: what it is sent waits
         procs.start("busy", "sim", "--flavour", "vllm", "--model", MODEL, "--port", str(p["busy"]),
                     "--endpoints", "1", "--max-seqs", "1", "--ttft-s", "600")
         for name in ("calm", "bare"):
-            procs.start(name, "sim", "--flavour", "vllm", "--model", MODEL, "--port", str(p[name]), "--endpoints", "1")
+            procs.start(name, "sim", "--flavour", "vllm", "--model", MODEL, "--port", str(p[name]),
+                        "--endpoints", "1")
         procs.start("op", "run", "--config", str(ws / "operator.yaml"))
         procs.start("gw", "run", "--config", str(ws / "gateway.yaml"))
         procs.sim_url("busy")
@@ -312,7 +318,8 @@ def test_example_2_api_flow_starts_edits_and_stops_the_probe(certs, tmp_path):
 
     def shell(script: str) -> str:
         script = (script.replace("localhost:8000", f"127.0.0.1:{p['api']}").replace("8088", str(p["sim"]))
-                  .replace("curl -X POST", 'curl -sS --fail-with-body -X POST -H "authorization: Bearer $TOKEN"'))
+                  .replace("curl -X POST",
+                           'curl -sS --fail-with-body -X POST -H "authorization: Bearer $TOKEN"'))
         token = (ws / "state" / "api-token").read_text().strip()
         out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                              env={"PATH": "/usr/bin:/bin", "TOKEN": token})
@@ -323,7 +330,8 @@ def test_example_2_api_flow_starts_edits_and_stops_the_probe(certs, tmp_path):
         procs.start("sim", "sim", "--flavour", "vllm", "--model", MODEL, "--port", str(p["sim"]))
         procs.start("op", "run", "--config", str(ws / "operator.yaml"))
         procs.start("gw", "run", "--config", str(ws / "gateway.yaml"))
-        wait_until(lambda: candidate(ws, "local") and candidate(ws, "local")["signal"] == "fresh", "the gateway")
+        wait_until(lambda: candidate(ws, "local") and candidate(ws, "local")["signal"] == "fresh",
+                   "the gateway")
         assert candidate(ws, "local")["metadata"] == {}
 
         assert json.loads(shell(EXAMPLE_2_POST))["settings"]["probes"][0]["name"] == "perf"

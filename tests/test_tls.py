@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import ssl
 import time
 from functools import partial
@@ -12,12 +11,11 @@ import httpx
 import pytest
 import trio
 import trio.testing
-import trustme
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives import serialization
 from hypothesis import given
 from hypothesis import strategies as st
+from support import GATEWAY_A1, OPERATOR_A, TD, Issuer
 
 from gridd import certs
 from gridd.tls import (
@@ -37,70 +35,7 @@ from gridd.tls import (
     server_context,
 )
 
-TD = "grid.local"
-OPERATOR_A = PeerIdentity(TD, "a", "operator")
-GATEWAY_A1 = PeerIdentity(TD, "a", "gateway", "g1")
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-class Issuer:
-    """A CA (gridd's own or trustme's) writing PEM files into a directory."""
-
-    def __init__(
-        self, directory: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey
-    ) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.dir = directory
-        self.ca_cert = ca_cert
-        self.ca_key = ca_key
-        self.ca_file = str(directory / "ca.pem")
-        Path(self.ca_file).write_bytes(certs.certificate_pem(ca_cert))
-
-    @classmethod
-    def gridd(cls, directory: Path, trust_domain: str = TD, *, ca_since: float = 0.0) -> Issuer:
-        """A gridd CA, created `ca_since` seconds ago."""
-        return cls(directory, *certs.create_ca(trust_domain, now=time.time() - ca_since, days=30))
-
-    @classmethod
-    def trustme(cls, directory: Path) -> tuple[Issuer, trustme.CA]:
-        ca = trustme.CA()
-        ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
-        ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), password=None)
-        return cls(directory, ca_cert, ca_key), ca
-
-    def issue(self, identity: PeerIdentity, *, now: float | None = None, days: int = 30) -> tuple[str, str]:
-        cert, key = certs.issue_certificate(
-            self.ca_cert, self.ca_key, identity, now=time.time() if now is None else now, days=days
-        )
-        stem = f"{identity.site}-{identity.role}-{identity.replica or 'x'}"
-        cert_file, key_file = self.dir / f"{stem}.pem", self.dir / f"{stem}-key.pem"
-        cert_file.write_bytes(certs.certificate_pem(cert))
-        key_file.write_bytes(certs.private_key_pem(key))
-        return str(cert_file), str(key_file)
-
-    def server(self, identity: PeerIdentity = OPERATOR_A) -> ssl.SSLContext:
-        return server_context(*self.issue(identity), self.ca_file)
-
-    def client(self, identity: PeerIdentity = GATEWAY_A1) -> ssl.SSLContext:
-        return client_context(*self.issue(identity), self.ca_file)
-
-
-def leaf_with_sans(issuer: Issuer, sans: list[x509.GeneralName]) -> x509.Certificate:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "t")]))
-        .issuer_name(issuer.ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .sign(issuer.ca_key, hashes.SHA256())
-    )
 
 
 class HandshakeResult:
@@ -352,13 +287,12 @@ def test_identity_from_der_certificate(tmp_path: Path) -> None:
 
 def test_der_certificate_with_two_spiffe_uris_is_rejected(tmp_path: Path) -> None:
     issuer = Issuer.gridd(tmp_path)
-    cert = leaf_with_sans(
-        issuer,
+    cert, _ = issuer.leaf_with_sans(
         [x509.UniformResourceIdentifier(OPERATOR_A.uri), x509.UniformResourceIdentifier(GATEWAY_A1.uri)],
     )
     with pytest.raises(IdentityError, match="2 spiffe"):
         identity_from_certificate(cert.public_bytes(serialization.Encoding.DER))
-    only_dns = leaf_with_sans(issuer, [x509.DNSName("localhost")])
+    only_dns, _ = issuer.leaf_with_sans([x509.DNSName("localhost")])
     with pytest.raises(IdentityError, match="no spiffe"):
         identity_from_certificate(only_dns)
 

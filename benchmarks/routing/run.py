@@ -132,7 +132,8 @@ def scenario_cells(name: str, duration_s: float) -> list[tuple[str, Cell]]:
             Event(d / 2, "restart_gateways"),)))]
     if name == "probe":
         # Probes publish every 5 s (spec 004 Example 1); batches carry them every 1 s scrape.
-        return [(f"{topo} {int(load * 100)}%, probes 5 s", Cell(sites=sites, load=load, duration_s=d, probe_s=5.0))
+        return [(f"{topo} {int(load * 100)}%, probes 5 s",
+                 Cell(sites=sites, load=load, duration_s=d, probe_s=5.0))
                 for topo, sites in (("2:1", TWO_TO_ONE), ("8:4:1", EIGHT_FOUR_ONE)) for load in (0.5, 0.7)]
     raise SystemExit(f"unknown scenario {name!r}")
 
@@ -144,7 +145,8 @@ strategy differ by less than the seed-to-seed spread of 3 seeds (measured: 8.21 
 20.65 vs 19.17 s at 3 seeds, and either order with small changes to the grid's tie-break)."""
 
 
-def run_scenario(name: str, *, seeds: int, duration_s: float, processes: int) -> dict[tuple[str, str], Pooled]:
+def run_scenario(name: str, *, seeds: int, duration_s: float,
+                 processes: int) -> dict[tuple[str, str], Pooled]:
     cells = scenario_cells(name, duration_s)
     policies = (*GRIDD, *(PROBE_GRIDD if name == "probe" else ()), *BASELINES)
     jobs = _jobs(cells, seeds, policies)
@@ -173,7 +175,8 @@ def print_table(name: str, pooled: dict[tuple[str, str], Pooled]) -> None:
         shares = " ".join(f"{s} {p.share(s):.2f} ({c:.2f})" for s, c in sorted(p.capacity_share.items()))
         print(f"| {label} | {policy} | {_fmt_s(percentile(p.waits, 0.5))} | {_fmt_s(p.p99)} | "
               f"{_fmt_s(percentile(p.ttfts, 0.99))} | {queued:.3f} | "
-              f"{p.completed / p.measured_s if p.measured_s else 0:.1f} | {shares} | {p.shed} | {p.unavailable} |")
+              f"{p.completed / p.measured_s if p.measured_s else 0:.1f} | {shares} | {p.shed} | "
+              f"{p.unavailable} |")
 
 
 def verdict(name: str, pooled: dict[tuple[str, str], Pooled]) -> list[str]:
@@ -203,8 +206,8 @@ def verdict(name: str, pooled: dict[tuple[str, str], Pooled]) -> list[str]:
                          f"two_choices p99 {default.p99:.2f} s (503 {default.unavailable}), "
                          f"no strategy p99 {pooled[(label, 'gridd')].p99:.2f} s")
         # The worst cell decides: the default pick rule must not lose anywhere.
-        ratios = [max(pooled[(label, "gridd-strict")].p99, 0.1) / max(pooled[(label, "gridd-strategy")].p99, 0.1)
-                  for label in labels]
+        ratios = [max(pooled[(label, "gridd-strict")].p99, 0.1)
+                  / max(pooled[(label, "gridd-strategy")].p99, 0.1) for label in labels]
         lines.append(f"probe_ratio={min(ratios):.2f}")
     elif name == "herd":
         label = labels[0]
@@ -251,10 +254,12 @@ def plot(name: str, pooled: dict[tuple[str, str], Pooled], directory: str) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", default="steady", choices=(*SCENARIOS, "all"))
     parser.add_argument("--seeds", type=int, help="seeds per cell, pooled (default 3; 6 for probe)")
-    parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds per run (default 600)")
+    parser.add_argument("--duration", type=float, default=600.0,
+                        help="simulated seconds per run (default 600)")
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--plots", metavar="DIR", help="write one PNG per scenario into DIR")
     args = parser.parse_args(argv)

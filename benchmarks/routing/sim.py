@@ -476,7 +476,8 @@ def make_arrivals(cell: Cell, n_gateways: int, client_gateways: list[int]) -> li
         if accept:
             # KV footprint ~ prompt + generated tokens: grows with the request's size (one slot's
             # worth on average, at most two).
-            out.append(Arrival(t, gateway, prefill, decode, 0.5 + 0.5 * min(decode / cell.mean_decode_s, 3.0)))
+            out.append(Arrival(t, gateway, prefill, decode,
+                               0.5 + 0.5 * min(decode / cell.mean_decode_s, 3.0)))
     return out
 
 
@@ -493,7 +494,8 @@ class World:
         self.site_index = {s.name: s.index for s in self.sites}
         self.gateway_site = [i for i in range(len(self.sites)) for _ in range(cell.gateways_per_site)]
         client_sites = set(cell.client_sites or [s.name for s in cell.sites])
-        self.client_gateways = [g for g, s in enumerate(self.gateway_site) if self.sites[s].name in client_sites]
+        self.client_gateways = [g for g, s in enumerate(self.gateway_site)
+                                if self.sites[s].name in client_sites]
         self.policies = [POLICIES[policy](self, g) for g in range(len(self.gateway_site))]
         self.result = Result(policy)
         total = sum(s.capacity() for s in self.sites)
@@ -524,7 +526,8 @@ class World:
             # Its own phases (a separate generator: cells without probes keep their phases).
             probe_rng = random.Random(cell.seed + 11)
             for s in self.sites:
-                self._every(cell.probe_s, probe_rng.uniform(0, cell.probe_s), lambda now, s=s: self._probe(now, s))
+                self._every(cell.probe_s, probe_rng.uniform(0, cell.probe_s),
+                            lambda now, s=s: self._probe(now, s))
         for ev in cell.events:
             self._at(ev.at, lambda now, ev=ev: self._apply(now, ev), prio=0)
         self.arrivals = make_arrivals(cell, len(self.gateway_site), self.client_gateways)
