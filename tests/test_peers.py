@@ -395,7 +395,7 @@ async def test_reload_swaps_tls_and_restarts_only_what_changed(tmp_path, nursery
     service.commit(await service.stage(operator_config(tmp_path, cert="a-operator-2", peers=(PEER_B, moved_c),
                                                        name="rotated.yaml")))
     assert service.tls is not old_tls
-    assert service._server_context() is service.tls.material.server_context
+    assert service.server_context() is service.tls.material.server_context
     assert all(task.scope.cancel_called for task in before.values())
 
     # Moving the listener needs a restart.

@@ -159,7 +159,8 @@ def test_rules_compile_once_per_rule_set(monkeypatch):
     monkeypatch.setattr(probes, "Extractor", CountedExtractor)
     rules = [rx(SPEC_REGEX + "(?#compiled once)")]  # a rule set no other test has compiled
     assert extract(VLLM_BODY, rules) == {"num_requests_waiting": 3.0}
-    assert extract(VLLM_BODY, list(rules)) == {"num_requests_waiting": 3.0}  # an equal set: the same extractor
+    # an equal set: the same extractor
+    assert extract(VLLM_BODY, list(rules)) == {"num_requests_waiting": 3.0}
     assert built == [tuple(rules)]
 
 

@@ -167,7 +167,8 @@ def test_an_answer_whose_every_batch_is_dropped_is_no_routing_data():
     no routing data and must say so (503 naming the cause), not answer 404."""
     s = store(signal_ttl_s=20.0)
     ahead = int(WALL) + 3600  # publisher epochs an hour ahead of this gateway's clock
-    s.ingest([BatchFeed().batch("a", epoch=ahead), BatchFeed().batch("b", epoch=ahead)], now=0.0, now_wall=WALL)
+    s.ingest([BatchFeed().batch("a", epoch=ahead), BatchFeed().batch("b", epoch=ahead)],
+             now=0.0, now_wall=WALL)
     assert s.decide("m", now=0.0, rng=random.Random(1)) == Unavailable(2.0, cause="no_operator_data")
     assert s.routing_data_problem(0.0) == (
         "no usable routing data from the operator: every batch of its answers was dropped (skew 2) (skew: "

@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gridd.gateway.forwarding import Exchange, Forwarder
 from gridd.gateway.front_errors import retry_after_seconds, send_error
 from gridd.gateway.front_limits import FrontLimits
-from gridd.gateway.front_metrics import NO_SITE, OTHER_MODEL, FrontMetrics
+from gridd.gateway.front_metrics import NO_SITE, OTHER_MODEL, CountsPool, FrontMetrics
 from gridd.gateway.router import PIN_HEADER, Forward, Router, Shed, Unavailable, UnknownModel
 from gridd.http.asgi import ClientDisconnected, Receive, Scope, Send, send_simple
 
@@ -80,7 +80,7 @@ class FrontApp:
         self.created_unix = created_unix
         self.metrics = FrontMetrics()
         for upstream, given in (("provider", self.transport), ("ingress", self.ingress_transport)):
-            if hasattr(given, "pool_counts") and given not in self.metrics.pools.values():
+            if isinstance(given, CountsPool) and given not in self.metrics.pools.values():
                 self.metrics.pools[upstream] = given
         registry.register(self.metrics)
         self.forwarder = Forwarder(router, self.transport, self.ingress_transport, self.metrics, rng=rng,

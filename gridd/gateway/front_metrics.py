@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
@@ -17,6 +17,14 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 OTHER_MODEL = "other"
 NO_SITE = "none"
 
+
+
+@runtime_checkable
+class CountsPool(Protocol):
+    """An upstream transport that counts its pool (upstream_transport.UpstreamTransport and
+    SwappableTransport): connections opened and requests sent, for grid_gateway_upstream_*."""
+
+    def pool_counts(self) -> tuple[int, int]: ...
 
 class LatencyHistogram:
     """Counts per LATENCY_BUCKETS bucket and their sum, as Prometheus histograms want them."""
@@ -52,7 +60,7 @@ class FrontMetrics:
         self.unavailable: dict[str, int] = {}
         self.upstream_latency: dict[str, LatencyHistogram] = {}
         self.first_byte: dict[str, LatencyHistogram] = {}
-        self.pools: dict[str, Any] = {}
+        self.pools: dict[str, CountsPool] = {}
         """Upstream transports by ``upstream`` label (provider, ingress) whose pool_counts()
         give connections opened and requests sent (upstream_transport.UpstreamTransport)."""
 
@@ -113,9 +121,9 @@ class FrontMetrics:
         sent = CounterMetricFamily("gridd_gateway_upstream_requests_sent", "Requests sent to upstreams.",
                                    labels=["upstream"])
         for upstream, pool in list(self.pools.items()):
-            connections, requests = pool.pool_counts()
-            opened.add_metric([upstream], connections)
-            sent.add_metric([upstream], requests)
+            connections_opened, requests_sent = pool.pool_counts()
+            opened.add_metric([upstream], connections_opened)
+            sent.add_metric([upstream], requests_sent)
         yield opened
         yield sent
         for name, doc, hists in (

@@ -463,7 +463,8 @@ class GatewayService:
             # The strategy each model routes by (docs/strategies.md); absent: none.
             "strategies": {m: st.name for m in store.models()
                            if (st := store.knobs.strategies.for_model(m)) is not None},
-            "shedding": sorted(m for m, s in store.shed.items() if store.shedding_enabled and s.shedding(now)),
+            "shedding": sorted(m for m, s in store.shed.items()
+                               if store.shedding_enabled and s.shedding(now)),
             "candidates": candidates,
             "ingest_drops": store.fences.drops(),
             "feedback": self.reporter.status(),

@@ -229,7 +229,7 @@ class OperatorService:
             cfg = self.config
             if self.tls is not None and cfg.listen.signals is not None:
                 self.signals_address = await nursery.start(
-                    partial(serve_channel, cfg.listen.signals, self._server_context, self.endpoint.handle,
+                    partial(serve_channel, cfg.listen.signals, self.server_context, self.endpoint.handle,
                             limits=lambda: channel_limits(self.config.timings),
                             on_refused=self.signals_metrics.count_refused),
                     name="signals-server",
@@ -258,7 +258,8 @@ class OperatorService:
         """gridctl clear-feedback (gridd.roles.ClearsGatewayEvidence)."""
         return await self.feedback.clear(replica)
 
-    def _server_context(self) -> ssl.SSLContext:
+    def server_context(self) -> ssl.SSLContext:
+        """The TLS context new channel connections are served with (a rotation swaps it)."""
         assert self.tls is not None
         return self.tls.material.server_context
 
