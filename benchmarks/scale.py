@@ -75,15 +75,43 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
 # --- providers: a static-exposition server ---------------------------------------------------
 
 
+class CountingBody:
+    """The sample body as a live provider serves it: every counter moves between scrapes.
+    Each counter sample (``*_total``, ``*_count``, a histogram's ``le="+Inf"`` bucket) grows by
+    one request per scrape and each ``*_sum`` by 50 ms, so the operator never parses the same
+    body twice (histograms stay consistent: count = +Inf bucket, buckets cumulative)."""
+
+    def __init__(self, body: bytes) -> None:
+        # Alternating static text and (line up to its value, base value, step) parts.
+        self.parts: list[bytes | tuple[bytes, float, float]] = []
+        static: list[bytes] = []
+        for line in body.split(b"\n"):
+            head, _, value = line.rpartition(b" ")
+            name = head.split(b"{", 1)[0]
+            counter = name.endswith((b"_total", b"_count")) or b'le="+Inf"' in head
+            if head and not line.startswith(b"#") and (counter or name.endswith(b"_sum")):
+                self.parts.append(b"\n".join(static) + (b"\n" if static else b""))
+                static = []
+                self.parts.append((head + b" ", float(value), 1.0 if counter else 0.05))
+                static.append(b"")
+            else:
+                static.append(line)
+        self.parts.append(b"\n".join(static))
+
+    def render(self, scrape: int) -> bytes:
+        return b"".join(part if isinstance(part, bytes) else part[0] + b"%.10g" % (part[1] + part[2] * scrape)
+                        for part in self.parts)
+
+
 async def serve_providers(count: int) -> None:
     """``count`` listeners on 127.0.0.1, one per provider; each answers any GET with the
-    sample body after its provider's delay, keep-alive. Prints the ports as one JSON line and
-    serves until stdin closes (the parent exits or closes it)."""
-    body = SAMPLE.read_bytes()
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    sample body (its counters moved on by one scrape, CountingBody) after its provider's
+    delay, keep-alive. Prints the ports as one JSON line and serves until stdin closes (the
+    parent exits or closes it)."""
+    body = CountingBody(SAMPLE.read_bytes())
+    scrapes = [0] * count
 
-    async def answer(stream: trio.SocketStream, delay_s: float) -> None:
+    async def answer(stream: trio.SocketStream, index: int, delay_s: float) -> None:
         buffered = b""
         try:
             while True:
@@ -94,7 +122,10 @@ async def serve_providers(count: int) -> None:
                     buffered += chunk
                 buffered = buffered.split(b"\r\n\r\n", 1)[1]  # GETs carry no body
                 await trio.sleep(delay_s)
-                await stream.send_all(head + body)
+                scrapes[index] += 1
+                payload = body.render(scrapes[index])
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                                      b"content-length: %d\r\n\r\n" % len(payload) + payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
@@ -107,8 +138,8 @@ async def serve_providers(count: int) -> None:
             ports.append(listeners[0].socket.getsockname()[1])
             delay_s = latency_ms(index) / 1000
 
-            async def handler(stream: trio.SocketStream, delay_s: float = delay_s) -> None:
-                await answer(stream, delay_s)
+            async def handler(stream: trio.SocketStream, index: int = index, delay_s: float = delay_s) -> None:
+                await answer(stream, index, delay_s)
 
             nursery.start_soon(trio.serve_listeners, handler, listeners)
         print(json.dumps(ports), flush=True)
@@ -151,14 +182,18 @@ def operator_config(ports: list[int], concurrency: int, state_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def run_operator(config_path: Path, passes: int) -> dict:
+async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict:
     from prometheus_client import CollectorRegistry
 
     from gridd.config import load_config
+    from gridd.operator.scrape import make_scrape_client
     from gridd.operator.service import OperatorService
 
     loaded = load_config(config_path, env={})
-    operator = OperatorService(loaded, CollectorRegistry())
+    # "lean": the scrape path's own keep-alive client (gridd.operator.http1); "httpx": the
+    # service's default httpx client (make_client), kept as the same-run baseline.
+    client = make_scrape_client() if client_kind == "lean" else None
+    operator = OperatorService(loaded, CollectorRegistry(), client=client)  # type: ignore[arg-type]  # the lean client
     marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
     done = trio.Event()
     publish_probe_only = operator._publish_probe_only
@@ -195,43 +230,48 @@ async def run_operator(config_path: Path, passes: int) -> dict:
         "passes": len(measured) - 1,
         "failing": failing,
         "max_in_flight": operator.pool.max_in_flight_seen if operator.pool else 0,
+        "connections_opened": client.connections_opened if client is not None else None,
     }
 
 
-def operator_point(ports: list[int], concurrency: int, passes: int) -> dict:
+def operator_point(ports: list[int], concurrency: int, passes: int, client_kind: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="gridd-scale-") as tmp:
         config = Path(tmp) / "operator.yaml"
         config.write_text(operator_config(ports, concurrency, Path(tmp) / "state"))
-        out = subprocess.run([sys.executable, __file__, "--operator-child", str(config), "--passes", str(passes)],
+        out = subprocess.run([sys.executable, __file__, "--operator-child", str(config), "--passes", str(passes),
+                              "--client", client_kind],
                              capture_output=True, text=True, timeout=OPERATOR_BUDGET_S + 30)
         if out.returncode != 0:
             raise SystemExit(f"operator child failed:\n{out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def operator_curve(counts: tuple[int, ...], repeats: int, passes: int, extra: list[tuple[int, int]]) -> dict:
-    print("== operator: one OperatorService scraping N providers at 1 s (epp-healthy.prom, 5-50 ms) ==")
-    print(f"{'providers':>9} {'slots':>5} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
+def operator_curve(counts: tuple[int, ...], repeats: int, passes: int, extra: list[tuple[int, int, str]]) -> dict:
+    print("== operator: one OperatorService scraping N providers at 1 s (epp-healthy.prom, counters moving, "
+          "5-50 ms) ==")
+    print(f"{'providers':>9} {'slots':>5} {'client':>6} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
           f"{'rss_mb':>7} {'sys':>5} {'failing':>7}")
-    results: dict[tuple[int, int], list[dict]] = {}
-    points = [(n, 16) for n in counts] + extra
-    server, ports = start_providers(max(n for n, _ in points))
+    results: dict[tuple[int, int, str], list[dict]] = {}
+    points = [(n, 16, "lean") for n in counts] + extra
+    server, ports = start_providers(max(n for n, _, _ in points))
     try:
-        for _ in range(repeats):  # interleaved, so a burst of outside load hits every size alike
-            for n, slots in points:
-                results.setdefault((n, slots), []).append(operator_point(ports[:n], slots, passes))
+        for _ in range(repeats):  # interleaved, so a burst of outside load hits every point alike
+            for n, slots, client_kind in points:
+                results.setdefault((n, slots, client_kind), []).append(
+                    operator_point(ports[:n], slots, passes, client_kind))
     finally:
         stop(server)
-    for (n, slots), runs in results.items():
-        print(f"{n:>9} {slots:>5} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
+    for (n, slots, client_kind), runs in results.items():
+        print(f"{n:>9} {slots:>5} {client_kind:>6} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
               f"{spread([r['pass_s'] for r in runs]):>24} {spread([r['share'] for r in runs]):>24} "
               f"{statistics.median(r['rss_mb'] for r in runs):7.1f} "
               f"{statistics.median(r['system_share'] for r in runs):5.2f} {max(r['failing'] for r in runs):>7}")
-    small, large = results[(counts[0], 16)], results[(counts[-1], 16)]
+    small, large = results[(counts[0], 16, "lean")], results[(counts[-1], 16, "lean")]
     per_provider_kb = ((statistics.median(r["rss_mb"] for r in large) - statistics.median(r["rss_mb"] for r in small))
                        * 1024 / (counts[-1] - counts[0]))
     print(f"rss per provider: {per_provider_kb:.1f} KiB ({counts[0]} -> {counts[-1]} providers)")
-    return {"points": {f"{n}x{s}": runs for (n, s), runs in results.items()}, "rss_per_provider_kib": per_provider_kb}
+    points_out = {f"{n}x{s}" + ("" if kind == "lean" else f"-{kind}"): runs for (n, s, kind), runs in results.items()}
+    return {"points": points_out, "rss_per_provider_kib": per_provider_kb}
 
 
 # --- realistic batches ------------------------------------------------------------------------
@@ -483,6 +523,7 @@ def main() -> None:
     parser.add_argument("--serve-providers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--operator-child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--gateway-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("operator", "signals", "gateway", "poll"), help="run one curve")
     args = parser.parse_args()
     if args.serve_providers:
@@ -490,7 +531,7 @@ def main() -> None:
         return
     if args.operator_child:
         logging.basicConfig(level=logging.ERROR)
-        print(json.dumps(trio.run(run_operator, args.operator_child, args.passes)))
+        print(json.dumps(trio.run(run_operator, args.operator_child, args.passes, args.client)))
         return
     if args.gateway_child:
         gateway_child(args.gateway_child)
@@ -504,8 +545,13 @@ def main() -> None:
     if only is not None:
         only(args.rounds)
         return
-    # 1000 providers also with a pool four times wider: does the pass then fit the interval?
-    operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes, extra=[(1000, 64)])
+    # 1000 providers also with a pool four times wider (does the pass then fit the interval?),
+    # and through the httpx client the operator used before, as the same-run baseline.
+    operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes,
+                              extra=[(1000, 64, "lean"), (1000, 16, "httpx")])
+    lean_vs_httpx = (statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16"])
+                     / statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16-httpx"]))
+    print(f"scrape CPU at 1000 providers, lean vs httpx, same run: {lean_vs_httpx:.3f}")
     if args.only == "operator":
         return
     signals = signals_curve(args.rounds)
