@@ -81,22 +81,24 @@ class _Decoder:
 
     def __init__(self, coding: bytes) -> None:
         self._gzip = coding in (b"gzip", b"x-gzip")
-        self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 16 if self._gzip else zlib.MAX_WBITS)
-        self._started = False
+        self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 16) if self._gzip else None
+        self._pending = b""
 
     def decode(self, data: bytes, room: int) -> bytes:
+        if self._inflate is None:
+            # "deflate" means zlib-wrapped, but some servers send a raw deflate stream (httpx
+            # reads both): a valid zlib header (RFC 1950: CM 8, check bits) decides, once two
+            # bytes are in.
+            self._pending += data
+            if len(self._pending) < 2:
+                return b""
+            data, self._pending = self._pending, b""
+            wrapped = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            self._inflate = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
         try:
-            out = self._inflate.decompress(data, room + 1)
+            return self._inflate.decompress(data, room + 1)
         except zlib.error as exc:
-            if self._gzip or self._started:
-                raise UndecodableBody(str(exc)) from None
-            # "deflate" is meant as zlib-wrapped, but some servers send a raw deflate stream
-            # (httpx accepts both the same way).
-            self._inflate = zlib.decompressobj(-zlib.MAX_WBITS)
-            self._started = True
-            return self.decode(data, room)
-        self._started = True
-        return out
+            raise UndecodableBody(str(exc)) from None
 
 
 class ResponseParser:
@@ -125,14 +127,15 @@ class ResponseParser:
         return b"".join(self._parts)
 
     def receive_data(self, data: bytes | bytearray) -> None:
+        if not data:
+            return
         if self.done:
             # Bytes after a complete response: the connection is not in a known state.
             self.reusable = False
             return
-        if data:
-            self.received_any = True
-            self._buf += data
-            self._advance()
+        self.received_any = True
+        self._buf += data
+        self._advance()
 
     def receive_eof(self) -> None:
         if self.done:
