@@ -574,3 +574,63 @@ def test_arbitrary_bytes_never_raise(body: bytes) -> None:
     result = parse_exposition(body)
     assert result.malformed_lines <= body.count(b"\n") + 1
     assert sum(map(len, result.samples.values())) + result.malformed_lines <= body.count(b"\n") + 1
+
+
+# The scan: with a set of wanted names, only the lines that can change the result are visited
+# (exposition._scan). A list of the same names takes the line loop over every line; both
+# must agree exactly, malformed counts included.
+SCAN_NAMES = ["kept", "kept_total", "k:v", "kept_bucket", "other", "kep"]
+SCAN_EDITS = ["", " ", "\t", "x", "_x", ":", "-", "{", "}", '"', "\\", "#", "0", "\r", "\xff", "\u2028", "é"]
+
+
+@st.composite
+def scan_bodies(draw) -> str:
+    """Lines of wanted and unwanted names, names that extend or prefix a wanted one, leading
+    blanks, comments, garbage and near-misses, in any order."""
+    lines = []
+    for _ in range(draw(st.integers(0, 14))):
+        name = draw(st.sampled_from(SCAN_NAMES))
+        line = draw(st.sampled_from([
+            f'{name}{{a="1",le="0.5"}} 3', f'{name}{{a="1",le="+Inf"}} 4', f"{name} 7", f"{name}{{}} 1",
+            f"# TYPE {name} counter", "", "<html>", '{"error": 1}', "12 3", f'{name}{{a="1" 2', f"{name} nope",
+        ]))
+        at = draw(st.integers(0, len(line)))
+        edit = draw(st.sampled_from(SCAN_EDITS))
+        lines.append(line[:at] + edit + line[at:] if draw(st.booleans()) else line)
+    return draw(st.sampled_from(["\n", "\r\n"])).join(lines) + draw(st.sampled_from(["", "\n"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(scan_bodies(), st.sets(st.sampled_from(SCAN_NAMES)))
+def test_the_scan_agrees_with_the_line_loop(body: str, wanted: set[str]) -> None:
+    loop = parse_exposition(body, sorted(wanted))
+    for scanned in (parse_exposition(body, wanted), parse_exposition(body, frozenset(wanted)),
+                    parse_exposition(body.encode(), wanted)):
+        assert comparable(scanned) == comparable(loop)
+
+
+@pytest.mark.parametrize("filename", SAMPLE_FILES)
+def test_the_scan_agrees_with_the_line_loop_on_the_samples(samples_dir: pathlib.Path, filename: str) -> None:
+    raw = (samples_dir / filename).read_bytes()
+    assert comparable(parse_exposition(raw, GRIDD_WANTED)) == comparable(parse_exposition(raw, sorted(GRIDD_WANTED)))
+
+
+def test_the_scan_still_visits_lines_with_leading_blanks_and_counts_lines_without_a_name() -> None:
+    body = b'  kept 1\n\tkept{a="1"} 2\nkept_x{ 3\n<html>\n7 7\nkeptx 4\nkept\xff 5\n#kept 6\n'
+    result = parse_exposition(body, {"kept"})
+    assert result.samples == {"kept": [({}, 1.0), ({"a": "1"}, 2.0)]}
+    # <html>, "7 7" and the undecodable line whose leading name is "kept" (the body does not
+    # decode, so this one takes the line-by-line path).
+    assert result.malformed_lines == 3
+    assert parse_exposition(body.replace(b"\xff", b"-"), {"kept"}).malformed_lines == 3
+
+
+def test_scan_alternation_matches_exactly_the_names() -> None:
+    import re
+
+    names = sorted({"a", "ab", "abc", "b", "bcd", "bce", "a:b", "a_", "x.y"})
+    alternation = re.compile(f"(?:{exposition._name_alternation(names)})")
+    for name in names:
+        assert alternation.fullmatch(name)
+        for near in (name + "q", name[:-1], name[1:]):
+            assert bool(alternation.fullmatch(near)) == (near in names), near
