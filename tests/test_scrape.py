@@ -69,8 +69,9 @@ async def test_seventeen_slow_providers_run_at_most_sixteen_at_once(autojump_clo
 async def test_a_hanging_provider_does_not_delay_the_others(autojump_clock):
     results = {}
     async with httpx.AsyncClient(transport=transport({"hang": float("inf"), "a": 0.1, "b": 0.2})) as client:
-        pool = ScrapePool(client, concurrency=16, body_cap=CAP,
-                          on_result=lambda r: results.__setitem__(r.provider, r))
+        pool = ScrapePool(
+            client, concurrency=16, body_cap=CAP, on_result=lambda r: results.__setitem__(r.provider, r)
+        )
         start = trio.current_time()
         duration = await pool.run_pass(targets("hang", "a", "b", timeout_s=2.0))
     assert results["a"].finished_at - start == 0.1 and results["b"].finished_at - start == 0.2
@@ -103,17 +104,29 @@ async def test_failure_classes():
     async with httpx.AsyncClient(transport=transport({}, fail=fail)) as client:
         got = {}
         for host in ("refused", "tls", "slow", "reset", "status5xx"):
-            got[host] = (await scrape_one(client, ScrapeTarget(host, f"http://{host}/m", 5.0), CAP)).failure_class
-    assert got == {"refused": "connect", "tls": "tls", "slow": "timeout", "reset": "connect",
-                   "status5xx": "http_status"}
+            got[host] = (
+                await scrape_one(client, ScrapeTarget(host, f"http://{host}/m", 5.0), CAP)
+            ).failure_class
+    assert got == {
+        "refused": "connect",
+        "tls": "tls",
+        "slow": "timeout",
+        "reset": "connect",
+        "status5xx": "http_status",
+    }
 
 
 async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock):
     delays = {"a": 0.25}
     starts = []
     async with httpx.AsyncClient(transport=transport(delays)) as client:
-        pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=lambda r: None,
-                          on_pass=lambda start, duration: starts.append((start, duration)))
+        pool = ScrapePool(
+            client,
+            concurrency=16,
+            body_cap=CAP,
+            on_result=lambda r: None,
+            on_pass=lambda start, duration: starts.append((start, duration)),
+        )
         origin = trio.current_time()
 
         def next_targets():
@@ -124,7 +137,11 @@ async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock)
         with trio.move_on_after(6.0):
             await pool.run(lambda: 1.0, next_targets)
     assert [(s - origin, d) for s, d in starts] == [
-        (0.0, 0.25), (1.0, 0.25), (2.0, 1.75), (3.75, 0.25), (4.75, 0.25),
+        (0.0, 0.25),
+        (1.0, 0.25),
+        (2.0, 1.75),
+        (3.75, 0.25),
+        (4.75, 0.25),
     ]
 
 
@@ -138,12 +155,14 @@ async def test_a_target_httpx_cannot_send_fails_alone_and_a_result_bug_stops_not
 
     async with httpx.AsyncClient(transport=transport({})) as client:
         pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=on_result)
-        await pool.run_pass([
-            ScrapeTarget("bad-url", "http://[::1/metrics", 2.0),
-            ScrapeTarget("bad-header", "http://ok/metrics", 2.0, {"authorization": "Bearer clé\u2603"}),
-            ScrapeTarget("buggy", "http://ok/metrics", 2.0),
-            ScrapeTarget("fine", "http://ok/metrics", 2.0),
-        ])
+        await pool.run_pass(
+            [
+                ScrapeTarget("bad-url", "http://[::1/metrics", 2.0),
+                ScrapeTarget("bad-header", "http://ok/metrics", 2.0, {"authorization": "Bearer clé\u2603"}),
+                ScrapeTarget("buggy", "http://ok/metrics", 2.0),
+                ScrapeTarget("fine", "http://ok/metrics", 2.0),
+            ]
+        )
     assert results["bad-url"].failure_class == "connect"
     assert results["bad-header"].failure_class == "connect"
     assert results["fine"].failure_class is None
@@ -164,25 +183,58 @@ OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
 GOOD_RESPONSES = [
     ("content-length", OK_HEAD + b"content-length: %d\r\n\r\n" % len(BODY) + BODY, BODY, True),
     ("content-length, empty", OK_HEAD + b"content-length: 0\r\n\r\n", b"", True),
-    ("repeated equal content-length", OK_HEAD + b"content-length: %d, %d\r\n\r\n" % (len(BODY), len(BODY)) + BODY,
-     BODY, True),
-    ("chunked with extension and trailers",
-     OK_HEAD + b"transfer-encoding: chunked\r\n\r\n5;name=v\r\nup 1\n\r\n" + b"%x\r\n" % (len(BODY) - 5) + BODY[5:]
-     + b"\r\n0\r\nx-trailer: 1\r\n\r\n", BODY, True),
-    ("chunked wins over content-length",
-     OK_HEAD + b"content-length: 3\r\ntransfer-encoding: Chunked\r\n\r\n" + b"%X\r\n" % len(BODY) + BODY + b"\r\n0\r\n\r\n",
-     BODY, True),
+    (
+        "repeated equal content-length",
+        OK_HEAD + b"content-length: %d, %d\r\n\r\n" % (len(BODY), len(BODY)) + BODY,
+        BODY,
+        True,
+    ),
+    (
+        "chunked with extension and trailers",
+        OK_HEAD
+        + b"transfer-encoding: chunked\r\n\r\n5;name=v\r\nup 1\n\r\n"
+        + b"%x\r\n" % (len(BODY) - 5)
+        + BODY[5:]
+        + b"\r\n0\r\nx-trailer: 1\r\n\r\n",
+        BODY,
+        True,
+    ),
+    (
+        "chunked wins over content-length",
+        OK_HEAD
+        + b"content-length: 3\r\ntransfer-encoding: Chunked\r\n\r\n"
+        + b"%X\r\n" % len(BODY)
+        + BODY
+        + b"\r\n0\r\n\r\n",
+        BODY,
+        True,
+    ),
     ("no content-length: read to close", OK_HEAD + b"\r\n" + BODY, BODY, False),
     ("LF line endings", b"HTTP/1.1 200 OK\ncontent-length: %d\n\n" % len(BODY) + BODY, BODY, True),
-    ("interim 100 then 200, obs-fold header",
-     b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nx-folded: a\r\n b\r\ncontent-length: %d\r\n\r\n" % len(BODY)
-     + BODY, BODY, True),
+    (
+        "interim 100 then 200, obs-fold header",
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nx-folded: a\r\n b\r\ncontent-length: %d\r\n\r\n"
+        % len(BODY)
+        + BODY,
+        BODY,
+        True,
+    ),
     ("204", b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
-    ("connection: close", OK_HEAD + b"connection: keep-alive, close\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY,
-     BODY, False),
+    (
+        "connection: close",
+        OK_HEAD + b"connection: keep-alive, close\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY,
+        BODY,
+        False,
+    ),
     ("HTTP/1.0", b"HTTP/1.0 200 OK\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY, BODY, False),
-    ("gzip anyway", OK_HEAD + b"content-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(gzip.compress(BODY))
-     + gzip.compress(BODY), BODY, True),
+    (
+        "gzip anyway",
+        OK_HEAD
+        + b"content-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(gzip.compress(BODY))
+        + gzip.compress(BODY),
+        BODY,
+        True,
+    ),
     ("raw deflate", OK_HEAD + b"content-encoding: deflate\r\n\r\n" + zlib.compress(BODY)[2:-4], BODY, False),
 ]
 
@@ -193,15 +245,33 @@ MALFORMED_RESPONSES = [
     ("HTTP/2 status line", b"HTTP/2 200\r\n\r\n", "malformed status line"),
     ("header without colon", b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
     ("space before colon", b"HTTP/1.1 200 OK\r\ncontent-length : 3\r\n\r\nabc", "malformed header line"),
-    ("conflicting content-length", b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
-     "malformed Content-Length"),
+    (
+        "conflicting content-length",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+        "malformed Content-Length",
+    ),
     ("negative content-length", b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", "malformed Content-Length"),
-    ("transfer coding other than chunked", b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n", "unsupported"),
-    ("bad chunk size", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "malformed chunk-size"),
-    ("chunk longer than its size", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
-     "longer than its chunk-size"),
+    (
+        "transfer coding other than chunked",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+        "unsupported",
+    ),
+    (
+        "bad chunk size",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        "malformed chunk-size",
+    ),
+    (
+        "chunk longer than its size",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
+        "longer than its chunk-size",
+    ),
     ("truncated body", b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", "7 body bytes still expected"),
-    ("truncated chunked body", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nab", "inside a chunked"),
+    (
+        "truncated chunked body",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nab",
+        "inside a chunked",
+    ),
     ("truncated head", b"HTTP/1.1 200 OK\r\ncontent-le", "before a complete response head"),
     ("nothing at all", b"", "without a response"),
     ("switching protocols", b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "101"),
@@ -231,7 +301,9 @@ def outcome(parts, cap: int = CAP):
     return parser.status, parser.body(), parser.reusable
 
 
-@pytest.mark.parametrize(("raw", "body", "reusable"), [c[1:] for c in GOOD_RESPONSES], ids=[c[0] for c in GOOD_RESPONSES])
+@pytest.mark.parametrize(
+    ("raw", "body", "reusable"), [c[1:] for c in GOOD_RESPONSES], ids=[c[0] for c in GOOD_RESPONSES]
+)
 def test_parser_reads_every_framing_whole_and_split_at_every_byte(raw, body, reusable):
     status = 204 if raw.startswith(b"HTTP/1.1 204") else 200
     assert outcome([raw]) == (status, body, reusable)
@@ -240,8 +312,9 @@ def test_parser_reads_every_framing_whole_and_split_at_every_byte(raw, body, reu
     assert outcome([bytes([b]) for b in raw]) == (status, body, reusable)
 
 
-@pytest.mark.parametrize(("raw", "message"), [c[1:] for c in MALFORMED_RESPONSES],
-                         ids=[c[0] for c in MALFORMED_RESPONSES])
+@pytest.mark.parametrize(
+    ("raw", "message"), [c[1:] for c in MALFORMED_RESPONSES], ids=[c[0] for c in MALFORMED_RESPONSES]
+)
 def test_parser_names_what_is_malformed_whole_and_split(raw, message):
     whole = outcome([raw])
     assert whole[0] == "ProtocolError" and message in whole[1]
@@ -282,9 +355,13 @@ def test_body_cap_exact_is_accepted_one_more_is_refused_and_nothing_past_it_is_k
         if framing == "content-length":
             return OK_HEAD + b"content-length: %d\r\n\r\n" % len(body) + body
         if framing == "chunked":
-            chunks = [body[i:i + 1000] for i in range(0, len(body), 1000)]
-            return (OK_HEAD + b"transfer-encoding: chunked\r\n\r\n"
-                    + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n")
+            chunks = [body[i : i + 1000] for i in range(0, len(body), 1000)]
+            return (
+                OK_HEAD
+                + b"transfer-encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks)
+                + b"0\r\n\r\n"
+            )
         if framing == "gzip":
             packed = gzip.compress(body)
             return OK_HEAD + b"content-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(packed) + packed
@@ -299,7 +376,7 @@ def test_body_cap_exact_is_accepted_one_more_is_refused_and_nothing_past_it_is_k
     parser = ResponseParser(cap)
     with pytest.raises(BodyCapExceeded):
         for offset in range(0, len(raw), 64 * 1024):
-            parser.receive_data(raw[offset:offset + 64 * 1024])
+            parser.receive_data(raw[offset : offset + 64 * 1024])
             assert sum(len(part) for part in parser._parts) <= cap
     assert offset < (cap + 2 * 64 * 1024 if framing != "gzip" else len(raw))
 
@@ -466,9 +543,13 @@ async def test_a_target_the_lean_client_cannot_send_fails_alone(autojump_clock):
     async with trio.open_nursery() as nursery:
         providers = FakeProviders(nursery, serve)
         async with ScrapeClient(open_stream=providers.open_stream) as client:
-            for url, headers in (("http://[::1/metrics", {}), ("ftp://a/metrics", {}), ("http://a:99999/m", {}),
-                                 ("http://ok/metrics", {"authorization": "Bearer clé\u2603"}),
-                                 ("http://ok/metrics", {"x-injected": "a\r\nhost: evil"})):
+            for url, headers in (
+                ("http://[::1/metrics", {}),
+                ("ftp://a/metrics", {}),
+                ("http://a:99999/m", {}),
+                ("http://ok/metrics", {"authorization": "Bearer clé\u2603"}),
+                ("http://ok/metrics", {"x-injected": "a\r\nhost: evil"}),
+            ):
                 body, failure, detail = await client.get_capped(url, headers, CAP)
                 assert (body, failure) == (None, "connect") and detail.startswith("cannot send the request")
         assert providers.opened == []
@@ -481,7 +562,9 @@ def provider_ca():
 
 
 @pytest.mark.parametrize("trusted", [True, False])
-async def test_tls_targets_verify_with_the_given_context_and_tls_failures_are_classified(provider_ca, trusted):
+async def test_tls_targets_verify_with_the_given_context_and_tls_failures_are_classified(
+    provider_ca, trusted
+):
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     provider_ca.issue_cert("provider.test").configure_cert(server_context)
     client_context = ssl.create_default_context()

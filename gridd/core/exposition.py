@@ -353,7 +353,13 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
             # Canonical: name{a="x",b="y"} value. The last '"} ' ends the label block
             # when the token after it holds no '"', which float() checks.
             head, end, token = rest.rpartition('"} ')
-            if dest is True or not end or "\\" in rest or "_" in token or (check_ascii and not token.isascii()):
+            if (
+                dest is True
+                or not end
+                or "\\" in rest
+                or "_" in token
+                or (check_ascii and not token.isascii())
+            ):
                 malformed += slow(line)
                 continue
             pieces = head.split('"')

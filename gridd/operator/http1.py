@@ -45,8 +45,14 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-__all__ = ["BodyCapExceeded", "ProtocolError", "ResponseParser", "ScrapeClient", "UndecodableBody",
-           "is_tls_error"]
+__all__ = [
+    "BodyCapExceeded",
+    "ProtocolError",
+    "ResponseParser",
+    "ScrapeClient",
+    "UndecodableBody",
+    "is_tls_error",
+]
 
 HEAD_MAX = 64 * 1024
 """Most bytes a response head (status line and header fields) may take."""
@@ -147,8 +153,11 @@ class ResponseParser:
             self._finish(reusable=False)
             return
         if self._state == "head":
-            raise ProtocolError("connection closed before a complete response head"
-                                if self._buf or self.status is not None else "connection closed without a response")
+            raise ProtocolError(
+                "connection closed before a complete response head"
+                if self._buf or self.status is not None
+                else "connection closed without a response"
+            )
         if self._state == "length":
             raise ProtocolError(f"connection closed with {self._remaining} body bytes still expected")
         raise ProtocolError("connection closed inside a chunked body")
@@ -207,7 +216,7 @@ class ResponseParser:
                     if len(buf) > CHUNK_LINE_MAX:
                         raise ProtocolError(f"chunked trailers over {CHUNK_LINE_MAX} bytes")
                     return
-                del buf[:end.end() - 1]
+                del buf[: end.end() - 1]
                 self._finish(reusable=self._keep_alive)
 
     def _line(self, limit: int, what: str) -> bytes | None:
@@ -218,22 +227,22 @@ class ResponseParser:
             if len(buf) > limit + 1:
                 raise ProtocolError(f"{what} over {limit} bytes")
             return None
-        line = bytes(buf[:end - 1] if end and buf[end - 1] == 0x0D else buf[:end])
-        del buf[:end + 1]
+        line = bytes(buf[: end - 1] if end and buf[end - 1] == 0x0D else buf[:end])
+        del buf[: end + 1]
         return line
 
     def _head(self) -> bool:
         buf = self._buf
         # A head may open with blank lines (RFC 9112 2.2: a recipient should ignore them).
         while buf[:1] == b"\n" or buf[:2] == b"\r\n":
-            del buf[:1 if buf[:1] == b"\n" else 2]
+            del buf[: 1 if buf[:1] == b"\n" else 2]
         end = _END_OF_HEAD.search(buf, 0, HEAD_MAX + 4)
         if end is None:
             if len(buf) > HEAD_MAX:
                 raise ProtocolError(f"response head over {HEAD_MAX} bytes")
             return False
-        lines = bytes(buf[:end.start()]).split(b"\n")
-        del buf[:end.end()]
+        lines = bytes(buf[: end.start()]).split(b"\n")
+        del buf[: end.end()]
         status_line = lines[0].removesuffix(b"\r")
         m = _STATUS_LINE.fullmatch(status_line)
         if m is None:
@@ -257,7 +266,9 @@ class ResponseParser:
                 raise ProtocolError("101 Switching Protocols to a plain GET")
             return True  # interim response: the real head follows
         self.status = status
-        connection = {token.strip().lower() for value in fields.get(b"connection", ()) for token in value.split(b",")}
+        connection = {
+            token.strip().lower() for value in fields.get(b"connection", ()) for token in value.split(b",")
+        }
         self._keep_alive = minor == b"1" and b"close" not in connection
         coding = b",".join(fields.get(b"content-encoding", ())).strip().lower()
         if coding in (b"gzip", b"x-gzip", b"deflate"):
@@ -333,10 +344,13 @@ def _default_max_idle() -> int:
     return 4096 if soft == resource.RLIM_INFINITY else max(16, min(4096, soft // 2))
 
 
-_DEFAULT_HEADERS = {"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1",
-                    # identity: the body cap counts decoded bytes (see _Decoder for a server that
-                    # compresses anyway).
-                    "accept-encoding": "identity", "user-agent": "gridd-scrape"}
+_DEFAULT_HEADERS = {
+    "accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1",
+    # identity: the body cap counts decoded bytes (see _Decoder for a server that
+    # compresses anyway).
+    "accept-encoding": "identity",
+    "user-agent": "gridd-scrape",
+}
 
 Outcome = tuple[bytes | None, str | None, str]
 
@@ -345,9 +359,14 @@ class ScrapeClient:
     """GET with a body cap over kept-alive connections (module docstring). Use as an async
     context manager, or call ``aclose``; ``get_capped`` answers like scrape.fetch_capped."""
 
-    def __init__(self, *, verify: ssl.SSLContext | bool = True, max_idle: int | None = None,
-                 keepalive_expiry_s: float = 5.0,
-                 open_stream: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream) -> None:
+    def __init__(
+        self,
+        *,
+        verify: ssl.SSLContext | bool = True,
+        max_idle: int | None = None,
+        keepalive_expiry_s: float = 5.0,
+        open_stream: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream,
+    ) -> None:
         # open_stream(host, port): tests pass in-memory streams (STYLE 12).
         self._open_stream = open_stream
         self._verify = verify

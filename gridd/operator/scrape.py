@@ -4,11 +4,11 @@ At most ``concurrency`` (16) scrapes run at once: one CapacityLimiter, acquired 
 scrape task is spawned (STYLE 8). The client is the lean keep-alive ScrapeClient
 (gridd.operator.http1, ``make_scrape_client``), which has no queue of its own, or an
 httpx client (``make_client``: the probes' client, tests' MockTransport) whose pool is
-sized at or above the limiter so it never becomes a hidden queue. Each scrape is bounded by its provider's timeout, owned
-here by the caller (STYLE 3), so a hanging provider costs one slot for that long and never
-delays the others beyond the pool bound. A pass starts no sooner than one interval after
-the previous pass started, and never overlaps it; its duration is recorded because the
-readiness floor depends on it (spec: Provider Readiness).
+sized at or above the limiter so it never becomes a hidden queue. Each scrape is bounded
+by its provider's timeout, owned here by the caller (STYLE 3), so a hanging provider costs
+one slot for that long and never delays the others beyond the pool bound. A pass starts no
+sooner than one interval after the previous pass started, and never overlaps it; its
+duration is recorded because the readiness floor depends on it (spec: Provider Readiness).
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class ScrapeResult(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
-async def fetch_capped(client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int) -> tuple[bytes | None, str | None, str]:
+async def fetch_capped(
+    client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int
+) -> tuple[bytes | None, str | None, str]:
     """GET the target, reading at most ``body_cap`` decoded bytes. Returns (body, failure
     class, detail). A body of exactly ``body_cap`` bytes is accepted; one byte more is
     ``body_cap`` (DESIGN 5b), and the rest of it is never read."""
@@ -112,10 +114,15 @@ def make_scrape_client(verify: ssl.SSLContext | bool = True) -> ScrapeClient:
 def make_client(concurrency: int, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
     # httpx's pool at or above the limiter, so it never becomes a hidden queue (STYLE 8).
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    return httpx.AsyncClient(limits=limits, timeout=None, verify=verify, follow_redirects=False,
-                             # identity: the body cap counts decoded bytes, and a compressed chunk could
+    return httpx.AsyncClient(
+        limits=limits,
+        timeout=None,
+        verify=verify,
+        follow_redirects=False,
+        # identity: the body cap counts decoded bytes, and a compressed chunk could
         # otherwise expand far past it before the cap is checked.
-        headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "accept-encoding": "identity"})
+        headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "accept-encoding": "identity"},
+    )
 
 
 class ScrapePool:
