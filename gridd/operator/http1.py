@@ -20,9 +20,13 @@ byte is read, and a chunked, read-to-close or compressed body fails as soon as t
 bytes pass the cap, so nothing past it is ever buffered (DESIGN 5b).
 
 ``ScrapeClient`` (the trio shell): one idle connection list per origin (scheme, host,
-port), reused while younger than ``keepalive_expiry_s`` (httpx's 5 s default), up to
-``max_idle`` idle connections in all (each is a file descriptor). It has no limit of its
-own on concurrent requests: the scrape pool's CapacityLimiter is the one queue (STYLE 8).
+port), reused while it has been idle at most ``keepalive_expiry_s`` (30 s: longer than
+httpx's 5 s, so that scrape intervals and passes up to 30 s keep their connections; a
+provider that closes idle connections sooner costs one retry, below; it is far below the
+idle timeouts of NATs and firewalls, which drop a connection silently), up to ``max_idle``
+idle connections in all (each is a file descriptor; half the soft RLIMIT_NOFILE, at most
+4096). It has no limit of its own on concurrent requests: the scrape pool's
+CapacityLimiter is the one queue (STYLE 8).
 It sets no timeout: the caller's cancel scope bounds a scrape (STYLE 3); a cancelled or
 failed exchange closes its connection, so only a connection that ended a complete
 response cleanly is reused. GET is idempotent, so a reused connection that the server
@@ -364,7 +368,7 @@ class ScrapeClient:
         *,
         verify: ssl.SSLContext | bool = True,
         max_idle: int | None = None,
-        keepalive_expiry_s: float = 5.0,
+        keepalive_expiry_s: float = 30.0,
         open_stream: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream,
     ) -> None:
         # open_stream(host, port): tests pass in-memory streams (STYLE 12).
