@@ -405,6 +405,8 @@ class FakeProviders:
     async def open_stream(self, host: str, port: int):
         if host == "refused":
             raise ConnectionRefusedError(111, "Connection refused")
+        if host == "empty..label":
+            "empty..label".encode("idna")  # what trio's getaddrinfo does first: UnicodeError
         client_end, provider_end = trio.testing.memory_stream_pair()
         self.opened.append((host, port))
         self.nursery.start_soon(self._serve, provider_end, host)
@@ -516,7 +518,16 @@ async def test_the_lean_client_maps_failures_like_the_httpx_path_and_closes_the_
         providers = FakeProviders(nursery, serve)
         async with ScrapeClient(open_stream=providers.open_stream) as client:
             got = {}
-            for host in ("refused", "status5xx", "garbage", "reset", "huge", "chunked-huge", "hang"):
+            for host in (
+                "refused",
+                "empty..label",
+                "status5xx",
+                "garbage",
+                "reset",
+                "huge",
+                "chunked-huge",
+                "hang",
+            ):
                 result = await scrape_one(client, ScrapeTarget(host, f"http://{host}/m", 2.0), CAP)
                 got[host] = (result.failure_class, result.detail, result.duration_s)
             await trio.sleep(0.0)
@@ -524,6 +535,11 @@ async def test_the_lean_client_maps_failures_like_the_httpx_path_and_closes_the_
             assert providers.closed == len(providers.opened) == 6
             assert client._idle_count == 0
         nursery.cancel_scope.cancel()
+    # A host name IDNA refuses fails alone, like an unreachable one (the codec's wording varies).
+    failure, detail, duration = got.pop("empty..label")
+    assert (failure, duration) == ("connect", 0.0) and detail.startswith(
+        "cannot send the request: UnicodeError"
+    )
     assert got == {
         "refused": ("connect", "ConnectionRefusedError: [Errno 111] Connection refused", 0.0),
         "status5xx": ("http_status", "HTTP 503", 0.0),

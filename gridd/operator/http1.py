@@ -176,12 +176,7 @@ class ResponseParser:
                 if not self._head():
                     return
             elif state == "length":
-                take = min(self._remaining, len(buf))
-                if take:
-                    self._append(bytes(buf[:take]))
-                    del buf[:take]
-                    self._remaining -= take
-                if self._remaining:
+                if not self._take_remaining():
                     return
                 self._finish(reusable=self._keep_alive)
             elif state == "close":
@@ -199,12 +194,7 @@ class ResponseParser:
                 self._remaining = int(m.group(1), 16)
                 self._state = "chunk_data" if self._remaining else "trailers"
             elif state == "chunk_data":
-                take = min(self._remaining, len(buf))
-                if take:
-                    self._append(bytes(buf[:take]))
-                    del buf[:take]
-                    self._remaining -= take
-                if self._remaining:
+                if not self._take_remaining():
                     return
                 self._state = "chunk_end"
             elif state == "chunk_end":
@@ -222,6 +212,16 @@ class ResponseParser:
                     return
                 del buf[: end.end() - 1]
                 self._finish(reusable=self._keep_alive)
+
+    def _take_remaining(self) -> bool:
+        """Move up to ``_remaining`` buffered bytes into the body; True once none remain."""
+        buf = self._buf
+        take = min(self._remaining, len(buf))
+        if take:
+            self._append(bytes(buf[:take]))
+            del buf[:take]
+            self._remaining -= take
+        return not self._remaining
 
     def _line(self, limit: int, what: str) -> bytes | None:
         """The next line without its CRLF or LF ending, or None until it is complete."""
@@ -429,6 +429,10 @@ class ScrapeClient:
             if is_tls_error(exc):
                 return None, "tls", f"TLS: {exc.__cause__ or exc}"
             return None, "connect", f"{type(exc).__name__}: {exc}"
+        except (ValueError, UnicodeError) as exc:
+            # A host name the resolver refuses (trio encodes it with IDNA: "a..b" is a
+            # UnicodeError): unreachable, and never a crash of the pool.
+            return None, "connect", f"cannot send the request: {type(exc).__name__}: {exc}"
 
     async def _exchange(self, origin: Origin, request: bytes, body_cap: int, *, reuse: bool) -> Outcome:
         connection = await self._checkout(origin) if reuse else None
