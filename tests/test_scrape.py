@@ -449,7 +449,7 @@ async def test_the_lean_client_keeps_one_connection_per_provider_alive_across_sc
             results = []
             pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=results.append)
             for _ in range(3):
-                await pool.run_pass([*targets("a", "b"), ScrapeTarget("c", "https://c:8443/m?x=1", 2.0)][:2])
+                await pool.run_pass(targets("a", "b"))
             assert [r.body for r in results] == [BODY] * 6
             assert providers.opened == [("a", 80), ("b", 80)]
             assert (client.connections_opened, client.reused) == (2, 4)
@@ -605,3 +605,27 @@ async def test_tls_targets_verify_with_the_given_context_and_tls_failures_are_cl
     else:
         assert first[1] == "tls" and "certificate verify failed" in first[2]
         assert providers.opened == [("provider.test", 8443)] * 2
+
+
+async def test_the_request_carries_path_query_host_port_and_credentials(autojump_clock):
+    heads = {}
+
+    async def serve(stream, host):
+        heads[host] = await read_request(stream)
+        await stream.send_all(answer())
+
+    async with trio.open_nursery() as nursery:
+        providers = FakeProviders(nursery, serve)
+        async with ScrapeClient(open_stream=providers.open_stream) as client:
+            for url, headers in (
+                ("http://[::1]:9100/metrics?pool=a%20b", {"Authorization": "Bearer k"}),
+                ("http://user:p%40ss@basic:80", {}),
+            ):
+                assert (await client.get_capped(url, headers, CAP))[0] == BODY
+        nursery.cancel_scope.cancel()
+    assert providers.opened == [("::1", 9100), ("basic", 80)]
+    assert heads["::1"].split(b"\r\n")[:2] == [b"GET /metrics?pool=a%20b HTTP/1.1", b"host: [::1]:9100"]
+    assert b"\r\nauthorization: Bearer k\r\n" in heads["::1"]
+    # userinfo becomes Basic credentials (user:p@ss), the default port stays out of host
+    assert heads["basic"].split(b"\r\n")[:2] == [b"GET / HTTP/1.1", b"host: basic"]
+    assert b"\r\nauthorization: Basic dXNlcjpwQHNz\r\n" in heads["basic"]
