@@ -5,8 +5,11 @@ Three curves, each point repeated (--repeats, default 3) and shown as median [mi
 - operator: one real OperatorService (gridd.operator.service, the daemon's own code path:
   scrape pool, parse, derive, publish, hold) in a child process, scraping 10 / 100 / 1000
   providers at the 1 s interval with the 16-slot pool. The providers are one other child
-  process of this script serving tests/data/samples/epp-healthy.prom (about 75 KB) on one
-  loopback port per provider, each answering after its own fixed 5-50 ms delay. CPU is the
+  process of this script serving tests/data/samples/epp-healthy.prom (about 75 KB, its
+  counters moving on every scrape: CountingBody) on one loopback port per provider, each
+  answering after its own fixed 5-50 ms delay. The operator scrapes with the lean client
+  (gridd.operator.http1); one more point at 1000 providers goes through the httpx client it
+  used before, the same-run baseline ("lean vs httpx, same run"). CPU is the
   operator process's own CPU time (time.process_time, user + system), never wall time, so
   other load on the machine does not count; RSS is VmRSS of that process.
 - signals channel (in-process, gridd.wire): one poll answer for 2 / 10 / 50 sites x 10 / 100
@@ -17,7 +20,7 @@ Three curves, each point repeated (--repeats, default 3) and shown as median [mi
   1000 candidates; RSS per candidate from a child process holding them.
 
 Bounded: every phase has a fixed count of passes, polls or rounds and a wall-clock budget;
-network only on 127.0.0.1. Run: .venv/bin/python benchmarks/scale.py [--repeats N] [--quick]
+network only on 127.0.0.1. Run: nice -n 15 .venv/bin/python benchmarks/scale.py [--repeats N] [--quick]
 The last line is machine-readable: scrape_cpu_share_1000=<fraction of one core the operator
 uses scraping 1000 providers at 1 s>, i.e. its CPU seconds per pass over the 1 s interval.
 """
@@ -75,15 +78,45 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
 # --- providers: a static-exposition server ---------------------------------------------------
 
 
+class CountingBody:
+    """The sample body as a live provider serves it: every counter moves between scrapes.
+    Each counter sample (``*_total``, ``*_count``, a histogram's ``le="+Inf"`` bucket) grows by
+    one request per scrape and each ``*_sum`` by 50 ms, so the operator never parses the same
+    body twice (histograms stay consistent: count = +Inf bucket, buckets cumulative)."""
+
+    def __init__(self, body: bytes) -> None:
+        # Alternating static text and (line up to its value, base value, step) parts.
+        self.parts: list[bytes | tuple[bytes, float, float]] = []
+        static: list[bytes] = []
+        for line in body.split(b"\n"):
+            head, _, value = line.rpartition(b" ")
+            name = head.split(b"{", 1)[0]
+            counter = name.endswith((b"_total", b"_count")) or b'le="+Inf"' in head
+            if head and not line.startswith(b"#") and (counter or name.endswith(b"_sum")):
+                self.parts.append(b"\n".join(static) + (b"\n" if static else b""))
+                static = []
+                self.parts.append((head + b" ", float(value), 1.0 if counter else 0.05))
+                static.append(b"")
+            else:
+                static.append(line)
+        self.parts.append(b"\n".join(static))
+
+    def render(self, scrape: int) -> bytes:
+        return b"".join(
+            part if isinstance(part, bytes) else part[0] + b"%.10g" % (part[1] + part[2] * scrape)
+            for part in self.parts
+        )
+
+
 async def serve_providers(count: int) -> None:
     """``count`` listeners on 127.0.0.1, one per provider; each answers any GET with the
-    sample body after its provider's delay, keep-alive. Prints the ports as one JSON line and
-    serves until stdin closes (the parent exits or closes it)."""
-    body = SAMPLE.read_bytes()
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    sample body (its counters moved on by one scrape, CountingBody) after its provider's
+    delay, keep-alive. Prints the ports as one JSON line and serves until stdin closes (the
+    parent exits or closes it)."""
+    body = CountingBody(SAMPLE.read_bytes())
+    scrapes = [0] * count
 
-    async def answer(stream: trio.SocketStream, delay_s: float) -> None:
+    async def answer(stream: trio.SocketStream, index: int, delay_s: float) -> None:
         buffered = b""
         try:
             while True:
@@ -94,7 +127,12 @@ async def serve_providers(count: int) -> None:
                     buffered += chunk
                 buffered = buffered.split(b"\r\n\r\n", 1)[1]  # GETs carry no body
                 await trio.sleep(delay_s)
-                await stream.send_all(head + body)
+                scrapes[index] += 1
+                payload = body.render(scrapes[index])
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                    b"content-length: %d\r\n\r\n" % len(payload) + payload
+                )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
@@ -107,8 +145,10 @@ async def serve_providers(count: int) -> None:
             ports.append(listeners[0].socket.getsockname()[1])
             delay_s = latency_ms(index) / 1000
 
-            async def handler(stream: trio.SocketStream, delay_s: float = delay_s) -> None:
-                await answer(stream, delay_s)
+            async def handler(
+                stream: trio.SocketStream, index: int = index, delay_s: float = delay_s
+            ) -> None:
+                await answer(stream, index, delay_s)
 
             nursery.start_soon(trio.serve_listeners, handler, listeners)
         print(json.dumps(ports), flush=True)
@@ -117,8 +157,12 @@ async def serve_providers(count: int) -> None:
 
 
 def start_providers(count: int) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-providers", str(count)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve-providers", str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -141,24 +185,36 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def operator_config(ports: list[int], concurrency: int, state_dir: Path) -> str:
-    lines = ["role: operator", "site: a", f"state_dir: {state_dir}",
-             f"timings: {{scrape_interval_s: 1, scrape_concurrency: {concurrency}}}", "providers:"]
+    lines = [
+        "role: operator",
+        "site: a",
+        f"state_dir: {state_dir}",
+        f"timings: {{scrape_interval_s: 1, scrape_concurrency: {concurrency}}}",
+        "providers:",
+    ]
     for i, port in enumerate(ports):
         base = f"http://127.0.0.1:{port}"
-        lines += [f"  - name: p{i}", f"    model: m{i % MODELS}",
-                  f"    settings: {{endpoint: \"{base}/v1\"}}",
-                  f"    metrics: {{url: \"{base}/metrics\", timeout_s: 2, kind: epp}}"]
+        lines += [
+            f"  - name: p{i}",
+            f"    model: m{i % MODELS}",
+            f'    settings: {{endpoint: "{base}/v1"}}',
+            f'    metrics: {{url: "{base}/metrics", timeout_s: 2, kind: epp}}',
+        ]
     return "\n".join(lines) + "\n"
 
 
-async def run_operator(config_path: Path, passes: int) -> dict:
+async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict:
     from prometheus_client import CollectorRegistry
 
     from gridd.config import load_config
+    from gridd.operator.scrape import make_scrape_client
     from gridd.operator.service import OperatorService
 
     loaded = load_config(config_path, env={})
-    operator = OperatorService(loaded, CollectorRegistry())
+    # "lean": the scrape path's own keep-alive client (gridd.operator.http1); "httpx": the
+    # service's default httpx client (make_client), kept as the same-run baseline.
+    client = make_scrape_client() if client_kind == "lean" else None
+    operator = OperatorService(loaded, CollectorRegistry(), client=client)  # type: ignore[arg-type]  # the lean client
     marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
     done = trio.Event()
     publish_probe_only = operator._publish_probe_only
@@ -185,53 +241,89 @@ async def run_operator(config_path: Path, passes: int) -> dict:
     return {
         "cpu_per_pass_s": statistics.median(cpu) if cpu else float("nan"),
         "pass_s": statistics.median(m[2] for m in measured[1:]) if len(measured) > 1 else float("nan"),
-        "share": (measured[-1][0] - measured[0][0]) / (measured[-1][1] - measured[0][1]) if len(measured) > 1 else float("nan"),
+        "share": (measured[-1][0] - measured[0][0]) / (measured[-1][1] - measured[0][1])
+        if len(measured) > 1
+        else float("nan"),
         "rss_mb": measured[-1][3] if measured else float("nan"),
         # The kernel's share of the CPU (connect, close, socket reads): on loopback it also
         # carries the provider side's TCP work done in this process's context.
-        "system_share": ((measured[-1][4] - measured[0][4]) / (measured[-1][0] - measured[0][0])
-                         if len(measured) > 1 else float("nan")),
+        "system_share": (
+            (measured[-1][4] - measured[0][4]) / (measured[-1][0] - measured[0][0])
+            if len(measured) > 1
+            else float("nan")
+        ),
         "rss_before_mb": rss_before,
         "passes": len(measured) - 1,
         "failing": failing,
         "max_in_flight": operator.pool.max_in_flight_seen if operator.pool else 0,
+        "connections_opened": client.connections_opened if client is not None else None,
     }
 
 
-def operator_point(ports: list[int], concurrency: int, passes: int) -> dict:
+def operator_point(ports: list[int], concurrency: int, passes: int, client_kind: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="gridd-scale-") as tmp:
         config = Path(tmp) / "operator.yaml"
         config.write_text(operator_config(ports, concurrency, Path(tmp) / "state"))
-        out = subprocess.run([sys.executable, __file__, "--operator-child", str(config), "--passes", str(passes)],
-                             capture_output=True, text=True, timeout=OPERATOR_BUDGET_S + 30)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--operator-child",
+                str(config),
+                "--passes",
+                str(passes),
+                "--client",
+                client_kind,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=OPERATOR_BUDGET_S + 30,
+        )
         if out.returncode != 0:
             raise SystemExit(f"operator child failed:\n{out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def operator_curve(counts: tuple[int, ...], repeats: int, passes: int, extra: list[tuple[int, int]]) -> dict:
-    print("== operator: one OperatorService scraping N providers at 1 s (epp-healthy.prom, 5-50 ms) ==")
-    print(f"{'providers':>9} {'slots':>5} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
-          f"{'rss_mb':>7} {'sys':>5} {'failing':>7}")
-    results: dict[tuple[int, int], list[dict]] = {}
-    points = [(n, 16) for n in counts] + extra
-    server, ports = start_providers(max(n for n, _ in points))
+def operator_curve(
+    counts: tuple[int, ...], repeats: int, passes: int, extra: list[tuple[int, int, str]]
+) -> dict:
+    print(
+        "== operator: one OperatorService scraping N providers at 1 s (epp-healthy.prom, counters moving, "
+        "5-50 ms) =="
+    )
+    print(
+        f"{'providers':>9} {'slots':>5} {'client':>6} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
+        f"{'rss_mb':>7} {'sys':>5} {'failing':>7}"
+    )
+    results: dict[tuple[int, int, str], list[dict]] = {}
+    points = [(n, 16, "lean") for n in counts] + extra
+    server, ports = start_providers(max(n for n, _, _ in points))
     try:
-        for _ in range(repeats):  # interleaved, so a burst of outside load hits every size alike
-            for n, slots in points:
-                results.setdefault((n, slots), []).append(operator_point(ports[:n], slots, passes))
+        for _ in range(repeats):  # interleaved, so a burst of outside load hits every point alike
+            for n, slots, client_kind in points:
+                results.setdefault((n, slots, client_kind), []).append(
+                    operator_point(ports[:n], slots, passes, client_kind)
+                )
     finally:
         stop(server)
-    for (n, slots), runs in results.items():
-        print(f"{n:>9} {slots:>5} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
-              f"{spread([r['pass_s'] for r in runs]):>24} {spread([r['share'] for r in runs]):>24} "
-              f"{statistics.median(r['rss_mb'] for r in runs):7.1f} "
-              f"{statistics.median(r['system_share'] for r in runs):5.2f} {max(r['failing'] for r in runs):>7}")
-    small, large = results[(counts[0], 16)], results[(counts[-1], 16)]
-    per_provider_kb = ((statistics.median(r["rss_mb"] for r in large) - statistics.median(r["rss_mb"] for r in small))
-                       * 1024 / (counts[-1] - counts[0]))
+    for (n, slots, client_kind), runs in results.items():
+        print(
+            f"{n:>9} {slots:>5} {client_kind:>6} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
+            f"{spread([r['pass_s'] for r in runs]):>24} {spread([r['share'] for r in runs]):>24} "
+            f"{statistics.median(r['rss_mb'] for r in runs):7.1f} "
+            f"{statistics.median(r['system_share'] for r in runs):5.2f} {max(r['failing'] for r in runs):>7}"
+        )
+    small, large = results[(counts[0], 16, "lean")], results[(counts[-1], 16, "lean")]
+    per_provider_kb = (
+        (statistics.median(r["rss_mb"] for r in large) - statistics.median(r["rss_mb"] for r in small))
+        * 1024
+        / (counts[-1] - counts[0])
+    )
     print(f"rss per provider: {per_provider_kb:.1f} KiB ({counts[0]} -> {counts[-1]} providers)")
-    return {"points": {f"{n}x{s}": runs for (n, s), runs in results.items()}, "rss_per_provider_kib": per_provider_kb}
+    points_out = {
+        f"{n}x{s}" + ("" if kind == "lean" else f"-{kind}"): runs for (n, s, kind), runs in results.items()
+    }
+    return {"points": points_out, "rss_per_provider_kib": per_provider_kb}
 
 
 # --- realistic batches ------------------------------------------------------------------------
@@ -243,12 +335,21 @@ def sample_batch():
 
     body = SAMPLE.read_bytes()
     seq = iter(range(1, 1_000_000))
-    publisher = ProviderPublisher(site="s0", provider="p0", model="m0", provider_uid="uid-p0", generation=1,
-                                  publisher_epoch=int(WALL0), created_at=0.0, next_sequence=lambda: next(seq))
+    publisher = ProviderPublisher(
+        site="s0",
+        provider="p0",
+        model="m0",
+        provider_uid="uid-p0",
+        generation=1,
+        publisher_epoch=int(WALL0),
+        created_at=0.0,
+        next_sequence=lambda: next(seq),
+    )
     batch = None
     for t in (1.0, 2.0, 3.0):
-        batch = publisher.on_scrape(now=t, wall_now=WALL0 + t, body=body, failure_class=None,
-                                    stale_after_s=10.0, unavailable=False)
+        batch = publisher.on_scrape(
+            now=t, wall_now=WALL0 + t, body=body, failure_class=None, stale_after_s=10.0, unavailable=False
+        )
     assert batch is not None and batch.complete, "the healthy sample must publish a complete batch"
     return batch
 
@@ -259,10 +360,19 @@ def batches_for(template, sites: int, providers: int, sequence: int, published_m
     out = []
     for s in range(sites):
         for p in range(providers):
-            revision = msgspec.structs.replace(template.revision, provider_uid=f"uid-s{s}-p{p}",
-                                               batch_sequence=sequence)
-            out.append(msgspec.structs.replace(template, site=f"s{s}", provider=f"p{p}", model=f"m{p % MODELS}",
-                                               revision=revision, published_ms=published_ms))
+            revision = msgspec.structs.replace(
+                template.revision, provider_uid=f"uid-s{s}-p{p}", batch_sequence=sequence
+            )
+            out.append(
+                msgspec.structs.replace(
+                    template,
+                    site=f"s{s}",
+                    provider=f"p{p}",
+                    model=f"m{p % MODELS}",
+                    revision=revision,
+                    published_ms=published_ms,
+                )
+            )
     return out
 
 
@@ -283,9 +393,13 @@ def signals_curve(rounds: int) -> list[dict]:
     from gridd.core.holdings import Holdings
     from gridd.wire import PROTOCOL_VERSION, Batches, decode, encode
 
-    print("\n== signals channel: one poll answer (in-process gridd.wire; process CPU ms, median [min..max]) ==")
-    print(f"{'sites':>5} {'prov/site':>9} {'answer':>7} {'batches':>7} {'bytes':>9} {'B/batch':>7} "
-          f"{'relay+encode ms':>22} {'decode ms':>22}")
+    print(
+        "\n== signals channel: one poll answer (in-process gridd.wire; process CPU ms, median [min..max]) =="
+    )
+    print(
+        f"{'sites':>5} {'prov/site':>9} {'answer':>7} {'batches':>7} {'bytes':>9} {'B/batch':>7} "
+        f"{'relay+encode ms':>22} {'decode ms':>22}"
+    )
     template = sample_batch()
     rows = []
     for providers in SITE_PROVIDERS:
@@ -294,18 +408,32 @@ def signals_curve(rounds: int) -> list[dict]:
             for batch in batches_for(template, sites, providers, 1, int(WALL0 * 1000)):
                 holdings.hold(batch, 0.0)
             for answer, site in (("peer", "s0"), ("gateway", None)):
+
                 def relay_encode(site=site, holdings=holdings):
-                    return encode(Batches(protocol=PROTOCOL_VERSION, sent_wall=WALL0,
-                                          batches=holdings.relay(1.0, site=site)))
+                    return encode(
+                        Batches(
+                            protocol=PROTOCOL_VERSION, sent_wall=WALL0, batches=holdings.relay(1.0, site=site)
+                        )
+                    )
+
                 frame = relay_encode()
                 enc = best_of(relay_encode, rounds)
                 dec = best_of(lambda frame=frame: decode(frame), rounds)
                 count = providers if site else sites * providers
-                row = {"sites": sites, "providers": providers, "answer": answer, "batches": count,
-                       "bytes": len(frame), "encode_ms": [t * 1e3 for t in enc], "decode_ms": [t * 1e3 for t in dec]}
+                row = {
+                    "sites": sites,
+                    "providers": providers,
+                    "answer": answer,
+                    "batches": count,
+                    "bytes": len(frame),
+                    "encode_ms": [t * 1e3 for t in enc],
+                    "decode_ms": [t * 1e3 for t in dec],
+                }
                 rows.append(row)
-                print(f"{sites:>5} {providers:>9} {answer:>7} {count:>7} {len(frame):>9} {len(frame) // count:>7} "
-                      f"{spread(row['encode_ms']):>22} {spread(row['decode_ms']):>22}")
+                print(
+                    f"{sites:>5} {providers:>9} {answer:>7} {count:>7} {len(frame):>9} "
+                    f"{len(frame) // count:>7} {spread(row['encode_ms']):>22} {spread(row['decode_ms']):>22}"
+                )
     return rows
 
 
@@ -323,8 +451,10 @@ def poll_cycle_curve(rounds: int) -> list[dict]:
     from gridd.wire import PROTOCOL_VERSION, Batches, Poll, decode, encode
 
     print("\n== one gateway poll at steady state (own site changed, 1/5 of the rest): cursors or none ==")
-    print(f"{'sites':>5} {'prov/site':>9} {'cursors':>7} {'poll B':>8} {'answer B':>9} {'sent':>5} "
-          f"{'operator ms':>22} {'gateway ms':>22}")
+    print(
+        f"{'sites':>5} {'prov/site':>9} {'cursors':>7} {'poll B':>8} {'answer B':>9} {'sent':>5} "
+        f"{'operator ms':>22} {'gateway ms':>22}"
+    )
     template = sample_batch()
     providers = 100
     rows = []
@@ -341,8 +471,11 @@ def poll_cycle_curve(rounds: int) -> list[dict]:
                 seq += 1
                 # Changed since the last poll: all of s0, and the remote sites whose index
                 # falls on this second of the 5 s peer-poll cycle.
-                changed = [b for b in batches_for(template, sites, providers, seq, int((WALL0 + now) * 1000))
-                           if b.site == "s0" or int(b.site[1:]) % 5 == r % 5]
+                changed = [
+                    b
+                    for b in batches_for(template, sites, providers, seq, int((WALL0 + now) * 1000))
+                    if b.site == "s0" or int(b.site[1:]) % 5 == r % 5
+                ]
                 for batch in changed:
                     holdings.hold(batch, now)
                 gw_start = time.process_time()
@@ -352,19 +485,35 @@ def poll_cycle_curve(rounds: int) -> list[dict]:
                 op_start = time.process_time()
                 poll = decode(poll_frame)
                 batches, unchanged = holdings.relay_since(now, poll.cursors)
-                frame = encode(Batches(protocol=PROTOCOL_VERSION, sent_wall=WALL0 + now, batches=batches,
-                                       unchanged=unchanged))
+                frame = encode(
+                    Batches(
+                        protocol=PROTOCOL_VERSION, sent_wall=WALL0 + now, batches=batches, unchanged=unchanged
+                    )
+                )
                 op_ms.append((time.process_time() - op_start) * 1e3)
                 gw_start = time.process_time()
                 answer = decode(frame)
-                store.ingest([*answer.batches, *unchanged_batches(store.candidates, answer.unchanged)],
-                             now=now, now_wall=WALL0 + now)
+                store.ingest(
+                    [*answer.batches, *unchanged_batches(store.candidates, answer.unchanged)],
+                    now=now,
+                    now_wall=WALL0 + now,
+                )
                 gw_ms[-1] = (gw_ms[-1] + time.process_time() - gw_start) * 1e3
-            row = {"sites": sites, "providers": providers, "cursors": with_cursors, "poll_bytes": len(poll_frame),
-                   "answer_bytes": len(frame), "sent": len(answer.batches), "operator_ms": op_ms, "gateway_ms": gw_ms}
+            row = {
+                "sites": sites,
+                "providers": providers,
+                "cursors": with_cursors,
+                "poll_bytes": len(poll_frame),
+                "answer_bytes": len(frame),
+                "sent": len(answer.batches),
+                "operator_ms": op_ms,
+                "gateway_ms": gw_ms,
+            }
             rows.append(row)
-            print(f"{sites:>5} {providers:>9} {'yes' if with_cursors else 'no':>7} {len(poll_frame):>8} "
-                  f"{len(frame):>9} {len(answer.batches):>5} {spread(op_ms):>22} {spread(gw_ms):>22}")
+            print(
+                f"{sites:>5} {providers:>9} {'yes' if with_cursors else 'no':>7} {len(poll_frame):>8} "
+                f"{len(frame):>9} {len(answer.batches):>5} {spread(op_ms):>22} {spread(gw_ms):>22}"
+            )
     return rows
 
 
@@ -378,21 +527,31 @@ def gateway_store(candidates: int):
     sites = max(1, candidates // 100) if candidates >= 100 else 1
     per_site = candidates // sites
     store = GatewayStore(site="s0")
-    store.set_serving(ServingConfig(
-        providers=tuple(LocalProvider(provider=f"p{p}", model=f"m{p % MODELS}", endpoint_url="http://x/v1")
-                        for p in range(per_site)),
-        ingresses=tuple(SiteIngress(site=f"s{s}", url=f"http://ingress-{s}") for s in range(1, sites))))
+    store.set_serving(
+        ServingConfig(
+            providers=tuple(
+                LocalProvider(provider=f"p{p}", model=f"m{p % MODELS}", endpoint_url="http://x/v1")
+                for p in range(per_site)
+            ),
+            ingresses=tuple(SiteIngress(site=f"s{s}", url=f"http://ingress-{s}") for s in range(1, sites)),
+        )
+    )
     return store, sites, per_site
 
 
 def gateway_curve(rounds: int) -> list[dict]:
     print("\n== gateway: GatewayStore per poll (in-process; process CPU ms, median [min..max]) ==")
-    print(f"{'candidates':>10} {'models':>6} {'ingest+rebuild ms':>24} {'rebuild ms':>22} {'rss KiB/cand':>12}")
+    print(
+        f"{'candidates':>10} {'models':>6} {'ingest+rebuild ms':>24} {'rebuild ms':>22} {'rss KiB/cand':>12}"
+    )
     template = sample_batch()
     rows = []
     for candidates in CANDIDATE_COUNTS:
         store, sites, per_site = gateway_store(candidates)
-        polls = [batches_for(template, sites, per_site, seq, int((WALL0 + seq) * 1000)) for seq in range(1, rounds + 2)]
+        polls = [
+            batches_for(template, sites, per_site, seq, int((WALL0 + seq) * 1000))
+            for seq in range(1, rounds + 2)
+        ]
         store.ingest(polls[0], now=1.0, now_wall=WALL0 + 1)
         ingest = []
         for seq, poll in enumerate(polls[1:], start=2):
@@ -401,16 +560,25 @@ def gateway_curve(rounds: int) -> list[dict]:
             ingest.append((time.process_time() - start) * 1e3)
         rebuild = [t * 1e3 for t in best_of(lambda store=store: store.rebuild(float(rounds + 2)), rounds)]
         rss = gateway_rss(candidates)
-        row = {"candidates": candidates, "models": min(MODELS, per_site), "ingest_ms": ingest,
-               "rebuild_ms": rebuild, "rss_kib_per_candidate": rss}
+        row = {
+            "candidates": candidates,
+            "models": min(MODELS, per_site),
+            "ingest_ms": ingest,
+            "rebuild_ms": rebuild,
+            "rss_kib_per_candidate": rss,
+        }
         rows.append(row)
         print(f"{candidates:>10} {row['models']:>6} {spread(ingest):>24} {spread(rebuild):>22} {rss:>12.1f}")
     return rows
 
 
 def gateway_rss(candidates: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--gateway-child", str(candidates)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, __file__, "--gateway-child", str(candidates)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if out.returncode != 0:
         raise SystemExit(f"gateway child failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["kib_per_candidate"]
@@ -448,22 +616,52 @@ def plot(operator: dict, signals: list[dict], gateway: list[dict], path: Path) -
         low = [med[i] - min(r[key] for r in rs) for i, rs in enumerate(runs)]
         high = [max(r[key] for r in rs) - med[i] for i, rs in enumerate(runs)]
         ax_op.errorbar(counts, med, yerr=[low, high], marker="o", capsize=3, label=label)
+    baseline = operator["points"].get(f"{counts[-1]}x16-httpx")
+    if baseline:
+        ax_op.plot(
+            [counts[-1]],
+            [statistics.median(r["cpu_per_pass_s"] for r in baseline)],
+            marker="x",
+            linestyle="none",
+            color="black",
+            label="CPU s per pass, httpx client (same run)",
+        )
     ax_op.axhline(1.0, color="grey", linestyle=":", label="1 s interval / one core")
     ax_op.set(xscale="log", yscale="log", xlabel="providers (16-slot pool, 1 s)", title="operator")
     ax_op.legend(fontsize=8)
     for providers in SITE_PROVIDERS:
         rows = [r for r in signals if r["providers"] == providers and r["answer"] == "gateway"]
-        ax_sig.plot([r["batches"] for r in rows], [statistics.median(r["encode_ms"]) for r in rows], marker="o",
-                    label=f"relay+encode, {providers}/site")
-        ax_sig.plot([r["batches"] for r in rows], [statistics.median(r["decode_ms"]) for r in rows], marker="s",
-                    linestyle="--", label=f"decode, {providers}/site")
-    ax_sig.set(xscale="log", yscale="log", xlabel="batches in the gateway answer (sites x providers)",
-               ylabel="ms CPU per poll", title="signals channel (about 555 B per batch)")
+        ax_sig.plot(
+            [r["batches"] for r in rows],
+            [statistics.median(r["encode_ms"]) for r in rows],
+            marker="o",
+            label=f"relay+encode, {providers}/site",
+        )
+        ax_sig.plot(
+            [r["batches"] for r in rows],
+            [statistics.median(r["decode_ms"]) for r in rows],
+            marker="s",
+            linestyle="--",
+            label=f"decode, {providers}/site",
+        )
+    ax_sig.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batches in the gateway answer (sites x providers)",
+        ylabel="ms CPU per poll",
+        title="signals channel (about 555 B per batch)",
+    )
     ax_sig.legend(fontsize=8)
     cands = [r["candidates"] for r in gateway]
-    ax_gw.plot(cands, [statistics.median(r["ingest_ms"]) for r in gateway], marker="o", label="ingest + rebuild")
-    ax_gw.plot(cands, [statistics.median(r["rebuild_ms"]) for r in gateway], marker="s", label="rebuild alone")
-    ax_gw.set(xscale="log", yscale="log", xlabel="candidates", ylabel="ms CPU per poll", title="gateway store")
+    ax_gw.plot(
+        cands, [statistics.median(r["ingest_ms"]) for r in gateway], marker="o", label="ingest + rebuild"
+    )
+    ax_gw.plot(
+        cands, [statistics.median(r["rebuild_ms"]) for r in gateway], marker="s", label="rebuild alone"
+    )
+    ax_gw.set(
+        xscale="log", yscale="log", xlabel="candidates", ylabel="ms CPU per poll", title="gateway store"
+    )
     ax_gw.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -476,13 +674,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per operator point (default 3)")
     parser.add_argument("--passes", type=int, default=6, help="measured passes per operator run (default 6)")
-    parser.add_argument("--rounds", type=int, default=20, help="timed calls per in-process point (default 20)")
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="timed calls per in-process point (default 20)"
+    )
     parser.add_argument("--quick", action="store_true", help="1 repeat, 3 passes, 5 rounds")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
-    parser.add_argument("--plot", type=Path, help="also draw the curves here (needs the bench extra: matplotlib)")
+    parser.add_argument(
+        "--plot", type=Path, help="also draw the curves here (needs the bench extra: matplotlib)"
+    )
     parser.add_argument("--serve-providers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--operator-child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--gateway-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("operator", "signals", "gateway", "poll"), help="run one curve")
     args = parser.parse_args()
     if args.serve_providers:
@@ -490,30 +693,44 @@ def main() -> None:
         return
     if args.operator_child:
         logging.basicConfig(level=logging.ERROR)
-        print(json.dumps(trio.run(run_operator, args.operator_child, args.passes)))
+        print(json.dumps(trio.run(run_operator, args.operator_child, args.passes, args.client)))
         return
     if args.gateway_child:
         gateway_child(args.gateway_child)
         return
     if args.quick:
         args.repeats, args.passes, args.rounds = 1, 3, 5
-    resource.setrlimit(resource.RLIMIT_NOFILE, (20000, 20000)) if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 4096 else None
-    print(f"sample: {SAMPLE.name}, {SAMPLE.stat().st_size} bytes; cpus: {os.cpu_count()}; "
-          f"load average at start: {os.getloadavg()[0]:.2f}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (20000, 20000)) if resource.getrlimit(resource.RLIMIT_NOFILE)[
+        0
+    ] < 4096 else None
+    print(
+        f"sample: {SAMPLE.name}, {SAMPLE.stat().st_size} bytes; cpus: {os.cpu_count()}; "
+        f"load average at start: {os.getloadavg()[0]:.2f}"
+    )
     only = {"signals": signals_curve, "gateway": gateway_curve, "poll": poll_cycle_curve}.get(args.only or "")
     if only is not None:
         only(args.rounds)
         return
-    # 1000 providers also with a pool four times wider: does the pass then fit the interval?
-    operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes, extra=[(1000, 64)])
+    # 1000 providers also with a pool four times wider (does the pass then fit the interval?),
+    # and through the httpx client the operator used before, as the same-run baseline.
+    operator = operator_curve(
+        PROVIDER_COUNTS, args.repeats, args.passes, extra=[(1000, 64, "lean"), (1000, 16, "httpx")]
+    )
+    lean_vs_httpx = statistics.median(
+        r["cpu_per_pass_s"] for r in operator["points"]["1000x16"]
+    ) / statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16-httpx"])
+    print(f"scrape CPU at 1000 providers, lean vs httpx, same run: {lean_vs_httpx:.3f}")
     if args.only == "operator":
         return
     signals = signals_curve(args.rounds)
     gateway = gateway_curve(args.rounds)
     cycle = poll_cycle_curve(args.rounds)
     if args.json:
-        args.json.write_text(json.dumps({"operator": operator, "signals": signals, "gateway": gateway,
-                                         "poll_cycle": cycle}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"operator": operator, "signals": signals, "gateway": gateway, "poll_cycle": cycle}, indent=1
+            )
+        )
     if args.plot:
         plot(operator, signals, gateway, args.plot)
     runs = operator["points"]["1000x16"]

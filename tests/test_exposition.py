@@ -56,8 +56,7 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     (
         "help-type-comments",
         b"# HELP %s [ALPHA] The number {of} ready endpoints.\n# TYPE %s gauge\n"
-        b"# just a comment\n  # indented comment\n#\n%s{name=\"p\"} 4\n" % (M.encode(), M.encode(),
-                                                                            M.encode()),
+        b'# just a comment\n  # indented comment\n#\n%s{name="p"} 4\n' % (M.encode(), M.encode(), M.encode()),
         {M: [({"name": "p"}, 4.0)]},
         0,
     ),
@@ -82,19 +81,30 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     ("empty-value", b'x{a=""} 3\n', {"x": [({"a": ""}, 3.0)]}, 0),
     (
         "unicode-value-and-line-breaks",
-        "x{model=\"Llama-3 \u00e9\u4e2d\",sep=\"a\u2028b\x85c\x0bd\x1ce\rf\"} 1\n".encode(),
+        'x{model="Llama-3 \u00e9\u4e2d",sep="a\u2028b\x85c\x0bd\x1ce\rf"} 1\n'.encode(),
         {"x": [({"model": "Llama-3 \u00e9\u4e2d", "sep": "a\u2028b\x85c\x0bd\x1ce\rf"}, 1.0)]},
         0,
     ),
     (
         "special-floats",
-        b"v 1\nv NaN\nv nan\nv +Inf\nv -Inf\nv Inf\nv -inf\nv 1e+06\nv 1.048576e+06\nv -2.5E-3\nv .5\nv 5.\n"
-        b"v 0\nv -0\n",
+        b"v 1\nv NaN\nv nan\nv +Inf\nv -Inf\nv Inf\nv -inf\nv 1e+06\nv 1.048576e+06\n"
+        b"v -2.5E-3\nv .5\nv 5.\nv 0\nv -0\n",
         {
             "v": [
-                ({}, 1.0), ({}, NAN), ({}, NAN), ({}, math.inf), ({}, -math.inf), ({}, math.inf),
-                ({}, -math.inf), ({}, 1e6), ({}, 1048576.0), ({}, -0.0025), ({}, 0.5), ({}, 5.0),
-                ({}, 0.0), ({}, -0.0),
+                ({}, 1.0),
+                ({}, NAN),
+                ({}, NAN),
+                ({}, math.inf),
+                ({}, -math.inf),
+                ({}, math.inf),
+                ({}, -math.inf),
+                ({}, 1e6),
+                ({}, 1048576.0),
+                ({}, -0.0025),
+                ({}, 0.5),
+                ({}, 5.0),
+                ({}, 0.0),
+                ({}, -0.0),
             ]
         },
         0,
@@ -112,19 +122,30 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
         0,
     ),
     ("leading-blanks", b'  a 1\n\tb{x="y"} 2\n', {"a": [({}, 1.0)], "b": [({"x": "y"}, 2.0)]}, 0),
-    ("several-blanks-before-value", b'a  1\nb{x="y"}  \t2\n',
-     {"a": [({}, 1.0)], "b": [({"x": "y"}, 2.0)]}, 0),
-    ("colon-in-name", b'vllm:num_requests_running{engine="0"} 12.0\n',
-     {"vllm:num_requests_running": [({"engine": "0"}, 12.0)]}, 0),
+    (
+        "several-blanks-before-value",
+        b'a  1\nb{x="y"}  \t2\n',
+        {"a": [({}, 1.0)], "b": [({"x": "y"}, 2.0)]},
+        0,
+    ),
+    (
+        "colon-in-name",
+        b'vllm:num_requests_running{engine="0"} 12.0\n',
+        {"vllm:num_requests_running": [({"engine": "0"}, 12.0)]},
+        0,
+    ),
     (
         "histogram-run",
         b'# TYPE h histogram\nh_bucket{m="a",le="0.1"} 1\nh_bucket{m="a",le="1"} 3\n'
-        b'h_bucket{m="a",le="+Inf"} 4\nh_sum{m="a"} 2.5\nh_count{m="a"} 4\nh_bucket{m="b",le="0.1"} 0\n'
-        b'h_bucket{m="b",le="+Inf"} 1\n',
+        b'h_bucket{m="a",le="+Inf"} 4\n'
+        b'h_sum{m="a"} 2.5\nh_count{m="a"} 4\nh_bucket{m="b",le="0.1"} 0\nh_bucket{m="b",le="+Inf"} 1\n',
         {
             "h_bucket": [
-                ({"m": "a", "le": "0.1"}, 1.0), ({"m": "a", "le": "1"}, 3.0), ({"m": "a", "le": "+Inf"}, 4.0),
-                ({"m": "b", "le": "0.1"}, 0.0), ({"m": "b", "le": "+Inf"}, 1.0),
+                ({"m": "a", "le": "0.1"}, 1.0),
+                ({"m": "a", "le": "1"}, 3.0),
+                ({"m": "a", "le": "+Inf"}, 4.0),
+                ({"m": "b", "le": "0.1"}, 0.0),
+                ({"m": "b", "le": "+Inf"}, 1.0),
             ],
             "h_sum": [({"m": "a"}, 2.5)],
             "h_count": [({"m": "a"}, 4.0)],
@@ -134,12 +155,15 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     (
         "run-broken-by-odd-lines",
         b'r{a="1",b="x"} 1\nr{a="1",b="x\\"y"} 2\nr{a="1",b="z",c="w"} 3\nr{a="1",b="} 4\n'
-        b'r{a="1",b="q"} 5 6\nr{a="1",b="q"} 7\n',
+        b'r{a="1",b="q"} 5 6\n'
+        b'r{a="1",b="q"} 7\n',
         {
             "r": [
-                ({"a": "1", "b": "x"}, 1.0), ({"a": "1", "b": 'x"y'}, 2.0),
+                ({"a": "1", "b": "x"}, 1.0),
+                ({"a": "1", "b": 'x"y'}, 2.0),
                 ({"a": "1", "b": "z", "c": "w"}, 3.0),
-                ({"a": "1", "b": "q"}, 5.0), ({"a": "1", "b": "q"}, 7.0),
+                ({"a": "1", "b": "q"}, 5.0),
+                ({"a": "1", "b": "q"}, 7.0),
             ]
         },
         1,
@@ -151,9 +175,11 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
         'h_bucket{m="a",le="4"} \t5\nh_bucket{m="a",le="5"} 6 7 8\nh_bucket{m="a",le="\\t"} 9\n'.encode(),
         {
             "h_bucket": [
-                ({"m": "a", "le": "0.1"}, 1.0), ({"m": "a", "le": " 1 "}, 2.0),
+                ({"m": "a", "le": "0.1"}, 1.0),
+                ({"m": "a", "le": " 1 "}, 2.0),
                 ({"m": "a", "le": "x\\y"}, 3.0),
-                ({"m": "a", "le": "a\nb"}, 4.0), ({"m": "a", "le": "4"}, 5.0),
+                ({"m": "a", "le": "a\nb"}, 4.0),
+                ({"m": "a", "le": "4"}, 5.0),
             ]
         },
         4,
@@ -162,7 +188,7 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     ("missing-value", b'a{x="y"}\nb\nc{x="y"}   \n', {}, 3),
     ("non-numeric-value", b'a{x="y"} one\nb two\nc{x="y"} 0x10\nd 1,5\n', {}, 4),
     ("underscore-digits", b'a 1_000\nb{x="y"} 1_0\n', {}, 2),
-    ("non-ascii-digits", "a \u0661\u0662\nb{x=\"y\"} \uff11\n".encode(), {}, 2),
+    ("non-ascii-digits", 'a \u0661\u0662\nb{x="y"} \uff11\n'.encode(), {}, 2),
     ("bad-timestamp", b'a 1 2.5\nb{x="y"} 1 ts\nc 1 2 3\n', {}, 3),
     ("unterminated-quote", b'a{x="y} 1\nb{x="y,z="w} 1\nc{x="y\\"} 1\n', {}, 3),
     ("unquoted-value", b"a{x=y} 1\n", {}, 1),
@@ -174,7 +200,7 @@ CASES: list[tuple[str, bytes, dict[str, list[tuple[dict[str, str], object]]], in
     ("duplicate-label", b'a{x="1",x="2"} 1\n', {}, 1),
     ("bad-escape", b'a{x="\\t"} 1\nb{x="\\u0041"} 1\nc{x="end\\\\\\"} 1\n', {}, 3),
     ("bad-metric-name", b'1a 1\n{x="y"} 1\na-b 1\n"a" 1\n', {}, 4),
-    ("garbage", b"<html><body>502 Bad Gateway</body></html>\n{\"error\": \"x\"}\n\x00\x01\n", {}, 3),
+    ("garbage", b'<html><body>502 Bad Gateway</body></html>\n{"error": "x"}\n\x00\x01\n', {}, 3),
     ("invalid-utf8-sample", b'a{x="\xff"} 1\nb 2\n', {"b": [({}, 2.0)]}, 1),
     ("invalid-utf8-comment", b"# HELP a caf\xe9\na 1\n", {"a": [({}, 1.0)]}, 0),
     (
@@ -245,8 +271,9 @@ def test_blank_and_comment_only_junk_is_not_malformed() -> None:
 
 def test_labels_dicts_are_independent() -> None:
     """Histogram lines share a prefix; each sample still owns its labels dict."""
-    result = parse_exposition(b'h_bucket{m="a",le="1"} 1\nh_bucket{m="a",le="2"} 2\n'
-                              b'h_bucket{m="a",le="3"} 3\n')
+    result = parse_exposition(
+        b'h_bucket{m="a",le="1"} 1\nh_bucket{m="a",le="2"} 2\nh_bucket{m="a",le="3"} 3\n'
+    )
     first, second, third = (labels for labels, _ in result.samples["h_bucket"])
     first["m"] = "changed"
     assert second == {"m": "a", "le": "2"} and third == {"m": "a", "le": "3"}
@@ -264,8 +291,10 @@ def test_label_layout_cache_is_bounded() -> None:
         assert len(exposition._BUILDERS) <= exposition._BUILDERS_MAX
         assert result.malformed_lines == 1
         assert result.samples["m"][-2:] == [({"late1": "v"}, 3.0), ({"late1": "v", "late2": "w"}, 2.0)]
-        assert result.samples["m"][count - 1] == ({f"a{count - 1}": "v", "b": str(count - 1)},
-                                                  float(count - 1))
+        assert result.samples["m"][count - 1] == (
+            {f"a{count - 1}": "v", "b": str(count - 1)},
+            float(count - 1),
+        )
         assert len(result.samples["m"]) == count + 2
     finally:
         exposition._BUILDERS.clear()
@@ -275,16 +304,18 @@ def test_label_layout_cache_is_bounded() -> None:
 def test_large_and_hostile_lines() -> None:
     """Big label sets, long blank runs and escape runs parse right (and in linear time)."""
     many = ",".join(f'l{i}="v{i}"' for i in range(5000))
-    body = "\n".join([
-        f"big{{{many}}} 1",
-        f"big{{{many}}} 2",
-        f'big{{{many},l0="again"}} 3',
-        f'big{{{many},z="}} 4',
-        "blanks" + " " * 100_000 + "1",
-        "blanks" + " " * 100_000 + "x y z",
-        'esc{v="' + "\\\\" * 50_000 + '"} 5',
-        'quotes{' + '"' * 100_000 + "} 6",
-    ])
+    body = "\n".join(
+        [
+            f"big{{{many}}} 1",
+            f"big{{{many}}} 2",
+            f'big{{{many},l0="again"}} 3',
+            f'big{{{many},z="}} 4',
+            "blanks" + " " * 100_000 + "1",
+            "blanks" + " " * 100_000 + "x y z",
+            'esc{v="' + "\\\\" * 50_000 + '"} 5',
+            "quotes{" + '"' * 100_000 + "} 6",
+        ]
+    )
     result = parse_exposition(body)
     labels = {f"l{i}": f"v{i}" for i in range(5000)}
     assert result.samples == {
@@ -328,8 +359,13 @@ def gridd_samples(result: Exposition) -> Multiset:
     )
 
 
-SAMPLE_FILES = ["epp-healthy.prom", "epp-saturated.prom", "epp-zero-ready.prom", "epp-multi-pool.prom",
-                "vllm-direct.prom"]
+SAMPLE_FILES = [
+    "epp-healthy.prom",
+    "epp-saturated.prom",
+    "epp-zero-ready.prom",
+    "epp-multi-pool.prom",
+    "vllm-direct.prom",
+]
 
 
 @pytest.mark.parametrize("filename", SAMPLE_FILES)
@@ -420,8 +456,10 @@ def test_wanted_keeps_exactly_the_wanted_series(samples_dir: pathlib.Path, filen
 @pytest.mark.parametrize("container", [list, tuple, frozenset, dict.fromkeys])
 def test_wanted_accepts_any_container(container) -> None:
     body = b'a{x="1"} 1\nb{x="2"} 2\nc 3\n'
-    assert parse_exposition(body, container(["b", "c", "zzz"])).samples == {"b": [({"x": "2"}, 2.0)],
-                                                                            "c": [({}, 3.0)]}
+    assert parse_exposition(body, container(["b", "c", "zzz"])).samples == {
+        "b": [({"x": "2"}, 2.0)],
+        "c": [({}, 3.0)],
+    }
 
 
 def test_wanted_empty_keeps_nothing() -> None:
@@ -509,7 +547,7 @@ def expositions(draw) -> str:
         if extra == "blank":
             lines.append("")
         elif extra == "comment":
-            lines.append("# a comment, {with} \"quotes\"")
+            lines.append('# a comment, {with} "quotes"')
         elif extra == "help":
             name = line.split("{")[0].split(" ")[0]
             lines.append(f"# HELP {name} Some help text.")
@@ -528,22 +566,59 @@ def test_matches_prometheus_client_on_valid_expositions(text: str) -> None:
 
 # The fast paths against the full grammar, on lines near the canonical form.
 NEAR_MISS_EDITS = [
-    "\\", "\\", '"', '"', "\\n", "\\\\", '\\"', "\\t", "_", "_", " ", " ", "\t", "\r", "\x0b", "\x0c", "\x1c",
-    "\xa0", "\u2028", "\u0661", "{", "}", "} ", ",", "=", "#", "e", "E", ".", "+", "-", "0", "9", "x",
-    "NaN", "Inf",
+    "\\",
+    "\\",
+    '"',
+    '"',
+    "\\n",
+    "\\\\",
+    '\\"',
+    "\\t",
+    "_",
+    "_",
+    " ",
+    " ",
+    "\t",
+    "\r",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\xa0",
+    "\u2028",
+    "\u0661",
+    "{",
+    "}",
+    "} ",
+    ",",
+    "=",
+    "#",
+    "e",
+    "E",
+    ".",
+    "+",
+    "-",
+    "0",
+    "9",
+    "x",
+    "NaN",
+    "Inf",
 ]
 
 
 @st.composite
 def near_miss_bodies(draw) -> str:
     """Canonical lines sharing prefixes (so runs form), some of them edited near the end."""
-    base = draw(st.sampled_from([
-        'h_bucket{m="a",le="0.1"} 12',
-        'r{endpoint="e-1",flow="f",producer="p"} 30',
-        'g{name="pool"} 0.25',
-        "bare 70",
-        "e{} 15",
-    ]))
+    base = draw(
+        st.sampled_from(
+            [
+                'h_bucket{m="a",le="0.1"} 12',
+                'r{endpoint="e-1",flow="f",producer="p"} 30',
+                'g{name="pool"} 0.25',
+                "bare 70",
+                "e{} 15",
+            ]
+        )
+    )
     lines = []
     for _ in range(draw(st.integers(1, 8))):
         line = base.replace("0.1", draw(st.sampled_from(["0.1", "1", "+Inf", "x y"])))
@@ -585,3 +660,81 @@ def test_arbitrary_bytes_never_raise(body: bytes) -> None:
     result = parse_exposition(body)
     assert result.malformed_lines <= body.count(b"\n") + 1
     assert sum(map(len, result.samples.values())) + result.malformed_lines <= body.count(b"\n") + 1
+
+
+# The scan: with a set of wanted names, only the lines that can change the result are visited
+# (exposition._scan). A list of the same names takes the line loop over every line; both
+# must agree exactly, malformed counts included.
+SCAN_NAMES = ["kept", "kept_total", "k:v", "kept_bucket", "other", "kep"]
+SCAN_EDITS = ["", " ", "\t", "x", "_x", ":", "-", "{", "}", '"', "\\", "#", "0", "\r", "\xff", "\u2028", "é"]
+
+
+@st.composite
+def scan_bodies(draw) -> str:
+    """Lines of wanted and unwanted names, names that extend or prefix a wanted one, leading
+    blanks, comments, garbage and near-misses, in any order."""
+    lines = []
+    for _ in range(draw(st.integers(0, 14))):
+        name = draw(st.sampled_from(SCAN_NAMES))
+        line = draw(
+            st.sampled_from(
+                [
+                    f'{name}{{a="1",le="0.5"}} 3',
+                    f'{name}{{a="1",le="+Inf"}} 4',
+                    f"{name} 7",
+                    f"{name}{{}} 1",
+                    f"# TYPE {name} counter",
+                    "",
+                    "<html>",
+                    '{"error": 1}',
+                    "12 3",
+                    f'{name}{{a="1" 2',
+                    f"{name} nope",
+                ]
+            )
+        )
+        at = draw(st.integers(0, len(line)))
+        edit = draw(st.sampled_from(SCAN_EDITS))
+        lines.append(line[:at] + edit + line[at:] if draw(st.booleans()) else line)
+    return draw(st.sampled_from(["\n", "\r\n"])).join(lines) + draw(st.sampled_from(["", "\n"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(scan_bodies(), st.sets(st.sampled_from(SCAN_NAMES)))
+def test_the_scan_agrees_with_the_line_loop(body: str, wanted: set[str]) -> None:
+    loop = parse_exposition(body, sorted(wanted))
+    for scanned in (
+        parse_exposition(body, wanted),
+        parse_exposition(body, frozenset(wanted)),
+        parse_exposition(body.encode(), wanted),
+    ):
+        assert comparable(scanned) == comparable(loop)
+
+
+@pytest.mark.parametrize("filename", SAMPLE_FILES)
+def test_the_scan_agrees_with_the_line_loop_on_the_samples(samples_dir: pathlib.Path, filename: str) -> None:
+    raw = (samples_dir / filename).read_bytes()
+    assert comparable(parse_exposition(raw, GRIDD_WANTED)) == comparable(
+        parse_exposition(raw, sorted(GRIDD_WANTED))
+    )
+
+
+def test_the_scan_still_visits_lines_with_leading_blanks_and_counts_lines_without_a_name() -> None:
+    body = b'  kept 1\n\tkept{a="1"} 2\nkept_x{ 3\n<html>\n7 7\nkeptx 4\nkept\xff 5\n#kept 6\n'
+    result = parse_exposition(body, {"kept"})
+    assert result.samples == {"kept": [({}, 1.0), ({"a": "1"}, 2.0)]}
+    # <html>, "7 7" and the undecodable line whose leading name is "kept" (the body does not
+    # decode, so this one takes the line-by-line path).
+    assert result.malformed_lines == 3
+    assert parse_exposition(body.replace(b"\xff", b"-"), {"kept"}).malformed_lines == 3
+
+
+def test_scan_alternation_matches_exactly_the_names() -> None:
+    import re
+
+    names = sorted({"a", "ab", "abc", "b", "bcd", "bce", "a:b", "a_", "x.y"})
+    alternation = re.compile(f"(?:{exposition._name_alternation(names)})")
+    for name in names:
+        assert alternation.fullmatch(name)
+        for near in (name + "q", name[:-1], name[1:]):
+            assert bool(alternation.fullmatch(near)) == (near in names), near

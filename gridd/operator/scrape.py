@@ -1,12 +1,14 @@
 """The scrape pool: every interval, one pass over every enabled provider's /metrics.
 
 At most ``concurrency`` (16) scrapes run at once: one CapacityLimiter, acquired before a
-scrape task is spawned (STYLE 8), and httpx's own connection pool sized at or above it so
-it never becomes a hidden queue. Each scrape is bounded by its provider's timeout, owned
-here by the caller (STYLE 3), so a hanging provider costs one slot for that long and never
-delays the others beyond the pool bound. A pass starts no sooner than one interval after
-the previous pass started, and never overlaps it; its duration is recorded because the
-readiness floor depends on it (spec: Provider Readiness).
+scrape task is spawned (STYLE 8). The client is the lean keep-alive ScrapeClient
+(gridd.operator.http1, ``make_scrape_client``), which has no queue of its own, or an
+httpx client (``make_client``: the probes' client, tests' MockTransport) whose pool is
+sized at or above the limiter so it never becomes a hidden queue. Each scrape is bounded
+by its provider's timeout, owned here by the caller (STYLE 3), so a hanging provider costs
+one slot for that long and never delays the others beyond the pool bound. A pass starts no
+sooner than one interval after the previous pass started, and never overlaps it; its
+duration is recorded because the readiness floor depends on it (spec: Provider Readiness).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import msgspec
 import trio
 
 from gridd.link.periodic import run_periodic
+from gridd.operator.http1 import ScrapeClient, is_tls_error
 
 log = logging.getLogger("gridd.scrape")
 
@@ -47,18 +50,9 @@ class ScrapeResult(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
-def _is_tls_error(exc: BaseException) -> bool:
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            return False
-        if isinstance(seen, ssl.SSLError | ssl.CertificateError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-async def fetch_capped(client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int) -> tuple[bytes | None, str | None, str]:
+async def fetch_capped(
+    client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int
+) -> tuple[bytes | None, str | None, str]:
     """GET the target, reading at most ``body_cap`` decoded bytes. Returns (body, failure
     class, detail). A body of exactly ``body_cap`` bytes is accepted; one byte more is
     ``body_cap`` (DESIGN 5b), and the rest of it is never read."""
@@ -78,7 +72,7 @@ async def fetch_capped(client: httpx.AsyncClient, target: ScrapeTarget, body_cap
         # Map errors at the layer edge (STYLE 4): TLS trouble surfaces from httpx as a
         # ConnectError whose cause is an ssl error; a broken or malformed response mid-way
         # is a transport failure of the connection.
-        if _is_tls_error(exc):
+        if is_tls_error(exc):
             return None, "tls", f"TLS: {exc}"
         if isinstance(exc, httpx.DecodingError):
             return None, "parse", f"undecodable body: {exc}"
@@ -95,24 +89,41 @@ async def fetch_capped(client: httpx.AsyncClient, target: ScrapeTarget, body_cap
         return None, "connect", f"cannot send the request: {type(exc).__name__}: {exc}"
 
 
-async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget, body_cap: int) -> ScrapeResult:
+Client = ScrapeClient | httpx.AsyncClient
+
+
+async def scrape_one(client: Client, target: ScrapeTarget, body_cap: int) -> ScrapeResult:
     start = trio.current_time()
     body: bytes | None = None
     failure: str | None = "timeout"
     detail = f"no answer within {target.timeout_s:g} s"
     with trio.move_on_after(target.timeout_s):
-        body, failure, detail = await fetch_capped(client, target, body_cap)
+        if isinstance(client, ScrapeClient):
+            body, failure, detail = await client.get_capped(target.url, target.headers, body_cap)
+        else:
+            body, failure, detail = await fetch_capped(client, target, body_cap)
     end = trio.current_time()
     return ScrapeResult(target.provider, end, end - start, body, failure, detail)
+
+
+def make_scrape_client(verify: ssl.SSLContext | bool = True) -> ScrapeClient:
+    """The scrape pool's client: keep-alive per provider, no queue of its own (the pool's
+    limiter bounds it), the same TLS verification as ``make_client``."""
+    return ScrapeClient(verify=verify)
 
 
 def make_client(concurrency: int, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
     # httpx's pool at or above the limiter, so it never becomes a hidden queue (STYLE 8).
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    return httpx.AsyncClient(limits=limits, timeout=None, verify=verify, follow_redirects=False,
-                             # identity: the body cap counts decoded bytes, and a compressed chunk could
+    return httpx.AsyncClient(
+        limits=limits,
+        timeout=None,
+        verify=verify,
+        follow_redirects=False,
+        # identity: the body cap counts decoded bytes, and a compressed chunk could
         # otherwise expand far past it before the cap is checked.
-        headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "accept-encoding": "identity"})
+        headers={"accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "accept-encoding": "identity"},
+    )
 
 
 class ScrapePool:
@@ -121,7 +132,7 @@ class ScrapePool:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: Client,
         *,
         concurrency: int,
         body_cap: int,
