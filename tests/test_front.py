@@ -1031,3 +1031,35 @@ async def test_upstream_keepalive_counts_from_the_servers_last_bytes_not_from_re
         assert (transport.opened, transport.idle_count()) == (2, 0)
     finally:
         await transport.aclose()
+
+
+async def test_upstream_pool_sweep_survives_requests_using_the_pool_while_a_close_yields(nursery, mock_clock):
+    # Found by the soak (docs/reliability.md): closing an expired connection yields, a request
+    # meanwhile took a connection from the same stack and released a new one into it, and the
+    # sweep, still iterating that stack, died with "deque mutated during iteration" (the
+    # gateway with it). Three idle connections expire at 4 s; closing the first runs a request.
+    sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
+    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
+    try:
+        async with trio.open_nursery() as batch:
+            for _ in range(3):
+                batch.start_soon(_exchange_once, transport, target)
+        assert (transport.opened, transport.idle_count()) == (3, 3)
+        [stack] = transport._idle.values()
+        first = stack[0].connection
+        close_first = first.aclose
+
+        async def close_while_a_request_uses_the_pool() -> None:
+            await close_first()
+            await _exchange_once(transport, target)
+
+        first.aclose = close_while_a_request_uses_the_pool  # type: ignore[method-assign] # test seam
+        mock_clock.jump(4.0)
+        assert await transport.close_expired() == 3
+        # The request found no trusted connection (the three were off the stack before the
+        # first close), opened a fourth and left it idle: trusted until 8 s.
+        assert (transport.opened, transport.idle_count()) == (4, 1)
+    finally:
+        await transport.aclose()
+    assert transport.idle_count() == 0

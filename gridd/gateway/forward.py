@@ -400,20 +400,21 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     async def close_expired(self) -> int:
         """Close every idle connection past its keep-alive; how many were closed."""
         now = trio.current_time()
-        closed = 0
-        for key, stack in self._idle.items():
+        expired: list[_Idle] = []
+        for stack in self._idle.values():
             # Mostly oldest first, but a response relayed slowly is released late with an
             # early expiry: look at each one.
             if any(idle.expires_at <= now for idle in stack):
-                kept: deque[_Idle] = deque()
-                for idle in stack:
-                    if idle.expires_at <= now:
-                        await idle.connection.aclose()
-                        closed += 1
-                    else:
-                        kept.append(idle)
-                self._idle[key] = kept
-        return closed
+                expired += [idle for idle in stack if idle.expires_at <= now]
+                kept = [idle for idle in stack if idle.expires_at > now]
+                # In place and before any await: requests take from and release into these
+                # stacks while a close yields (mutating a deque under iteration crashed the
+                # gateway in the soak, docs/reliability.md).
+                stack.clear()
+                stack.extend(kept)
+        for idle in expired:
+            await idle.connection.aclose()
+        return len(expired)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._closed:
@@ -443,7 +444,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         """Close the idle connections; those in use close with their responses."""
         self._closed = True
-        for stack in self._idle.values():
+        for stack in list(self._idle.values()):  # a release during a close may add a stack
             while stack:
                 await stack.pop().connection.aclose()
 
