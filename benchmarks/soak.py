@@ -305,6 +305,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.concurrency < 2:
         parser.error("--minutes must be positive and --concurrency at least 2")
+    # Started in the background (`&`), SIGINT is ignored: SIGTERM stops the grid and clients too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     ws = pathlib.Path(args.workspace or tempfile.mkdtemp(prefix="gridd-soak-"))
     ws.mkdir(parents=True, exist_ok=True)

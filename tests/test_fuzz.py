@@ -44,12 +44,14 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 10
 
 # -- the exposition parser ------------------------------------------------------------------------
 
-_names = st.sampled_from(["vllm:num_requests_waiting", "vllm:num_requests_running", "inference_pool_ready_pods",
-                          "inference_pool_per_pod_queue_size", "x", "_", "a:b_c", "9bad", "vllm:kv_cache_usage_perc"])
-_label_value = st.lists(st.sampled_from(list('ab"\\\n{},= \t\x00é') + ["\\n", '\\"', "\\\\"]), max_size=8).map("".join)
+_names = st.sampled_from(["vllm:num_requests_waiting", "vllm:num_requests_running",
+                          "inference_pool_ready_pods", "inference_pool_per_pod_queue_size", "x", "_",
+                          "a:b_c", "9bad", "vllm:kv_cache_usage_perc"])
+_label_value = st.lists(st.sampled_from(list('ab"\\\n{},= \t\x00é') + ["\\n", '\\"', "\\\\"]),
+                        max_size=8).map("".join)
 _label = st.tuples(st.sampled_from(["name", "pod", "model_name", "le", "", "9", "a b"]), _label_value)
-_value = st.one_of(st.sampled_from(["0", "1", "-1", "NaN", "+Inf", "-Inf", "1e308", "1e309", "0x10", "1_0", "", "--1",
-                                    "3.5", "nan", "inf"]), st.floats(allow_nan=True).map(repr))
+_value = st.one_of(st.sampled_from(["0", "1", "-1", "NaN", "+Inf", "-Inf", "1e308", "1e309", "0x10", "1_0",
+                                    "", "--1", "3.5", "nan", "inf"]), st.floats(allow_nan=True).map(repr))
 
 
 @st.composite
@@ -61,7 +63,8 @@ def _exposition_line(draw) -> str:
         return draw(st.text(max_size=40))
     labels = draw(st.lists(_label, max_size=4))
     body = ",".join(f'{k}="{v}"' for k, v in labels)
-    brace = draw(st.sampled_from(["{%s}", "{%s", "%s}", "{%s,}", "{ %s }"])) % body if labels or kind == 2 else ""
+    brace = (draw(st.sampled_from(["{%s}", "{%s", "%s}", "{%s,}", "{ %s }"])) % body
+             if labels or kind == 2 else "")
     stamp = draw(st.sampled_from(["", " 1700000000000", " x", " 1 2"]))
     return f"{draw(_names)}{brace} {draw(_value)}{stamp}"
 
@@ -82,26 +85,26 @@ def test_fuzz_exposition_parser_never_raises(body, wanted):
 
 # -- the wire decoder and admission -----------------------------------------------------------------
 
-_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
-                    st.binary(max_size=8))
-_tree = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.text(max_size=12), inner, max_size=5)),
-                     max_leaves=25)
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+                    st.text(max_size=20), st.binary(max_size=8))
+_tree = st.recursive(_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=5)), max_leaves=25)
 _kinds = st.sampled_from(["poll", "batches", "serving", "report", "ack", "error", "nope", ""])
-_batch_keys = ["site", "provider", "model", "publisher_epoch", "batch_sequence", "published_ms", "ready", "load",
-               "revision", "complete", "age_ms", "provider_uid", "generation"]
+_batch_keys = ["site", "provider", "model", "publisher_epoch", "batch_sequence", "published_ms", "ready",
+               "load", "revision", "complete", "age_ms", "provider_uid", "generation"]
+_message_keys = ["protocol", "batches", "cursor", "since", "sequence", "epoch", "ok", "message", "evidence",
+                 "replica", "providers", "sites"]
 
 
 @st.composite
 def _frame(draw) -> bytes:
     """msgpack of a message-like map: a known tag with fields that are sometimes right."""
     msg = {"kind": draw(_kinds)}
-    for key in draw(st.lists(st.sampled_from(["protocol", "batches", "cursor", "since", "sequence", "epoch", "ok",
-                                              "message", "evidence", "replica", "providers", "sites"]), max_size=5)):
+    for key in draw(st.lists(st.sampled_from(_message_keys), max_size=5)):
         msg[key] = draw(_tree)
     if msg["kind"] == "batches" and draw(st.booleans()):
-        msg["batches"] = [{k: draw(st.one_of(_scalar, _tree)) for k in draw(st.lists(st.sampled_from(_batch_keys),
-                                                                                     max_size=10))}
+        msg["batches"] = [{k: draw(st.one_of(_scalar, _tree))
+                           for k in draw(st.lists(st.sampled_from(_batch_keys), max_size=10))}
                           for _ in range(draw(st.integers(0, 3)))]
     return msgspec.msgpack.encode(msg)
 
@@ -124,7 +127,8 @@ def test_fuzz_wire_decode_and_admission(frame, now_wall):
 
 # -- the config loader ------------------------------------------------------------------------------
 
-_EXAMPLES = [yaml.safe_load((REPO / "examples" / name).read_text()) for name in ("operator.yaml", "gateway.yaml")]
+_EXAMPLES = [yaml.safe_load((REPO / "examples" / name).read_text())
+             for name in ("operator.yaml", "gateway.yaml")]
 
 
 def _paths(node, prefix=()):
@@ -174,12 +178,13 @@ _provider_body = st.fixed_dictionaries({}, optional={
     "type": st.one_of(st.sampled_from(["hosted_vllm", "openai", "x"]), _tree),
     "enabled": st.one_of(st.booleans(), _tree),
     "settings": st.one_of(st.fixed_dictionaries({}, optional={
-        "endpoint": st.one_of(st.sampled_from(["http://127.0.0.1:9/v1", "ftp://x", "http://u:p@h/v1", "", "********"]),
-                              st.text(max_size=20)),
+        "endpoint": st.one_of(st.sampled_from(["http://127.0.0.1:9/v1", "ftp://x", "http://u:p@h/v1", "",
+                                               "********"]), st.text(max_size=20)),
         "timeout": st.one_of(st.floats(), st.integers(), st.text(max_size=4)),
-        "auth": st.one_of(_tree, st.fixed_dictionaries({"scheme": st.sampled_from(["none", "bearer", "header", "x"])},
-                                                       optional={"api_key": st.one_of(st.none(), st.text(max_size=10)),
-                                                                 "custom_headers": _tree}))}), _tree),
+        "auth": st.one_of(_tree, st.fixed_dictionaries(
+            {"scheme": st.sampled_from(["none", "bearer", "header", "x"])},
+            optional={"api_key": st.one_of(st.none(), st.text(max_size=10)), "custom_headers": _tree}))}),
+        _tree),
     "metrics": _tree, "metadata": _tree, "probes": _tree, "unknown": _tree})
 
 
@@ -216,10 +221,11 @@ def _upstream(request: httpx.Request) -> httpx.Response:
 _front_body = st.one_of(
     st.binary(max_size=300),
     st.fixed_dictionaries({}, optional={"model": st.one_of(st.just(MODEL), st.text(max_size=10), _tree),
-                                        "messages": _tree, "stream": _tree}).map(lambda d: json.dumps(d, default=repr).encode()),
+                                        "messages": _tree, "stream": _tree})
+    .map(lambda d: json.dumps(d, default=repr).encode()),
     _tree.map(lambda t: json.dumps(t, default=repr).encode()))
-_header_name = st.sampled_from(["content-type", "x-gridd-site", "transfer-encoding", "connection", "authorization",
-                                "accept-encoding", "x-custom", "expect", "te", "host"])
+_header_name = st.sampled_from(["content-type", "x-gridd-site", "transfer-encoding", "connection",
+                                "authorization", "accept-encoding", "x-custom", "expect", "te", "host"])
 _header_value = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=20)
 
 
@@ -246,9 +252,9 @@ _raw_line = st.one_of(
                      b"BREW /pot HTCPCP/1.0", b"GET", b"", b"\x16\x03\x01\x00", b"POST /v1/models HTTP/2.0"]),
     st.binary(max_size=60).filter(lambda b: b"\n" not in b))
 _raw_header = st.one_of(
-    st.sampled_from([b"Host: gw", b"Content-Length: 5", b"Content-Length: -1", b"Content-Length: 99999999999999",
-                     b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip, chunked", b"Content-Length: 1, 2",
-                     b"Expect: 100-continue", b"Connection: close", b" folded", b"X: " + b"y" * 5000, b"::"]),
+    st.sampled_from([b"Host: gw", b"Content-Length: 5", b"Content-Length: -1",
+                     b"Content-Length: 99999999999999", b"Transfer-Encoding: chunked",
+                     b"Transfer-Encoding: gzip, chunked", b"Content-Length: 1, 2", b"Expect: 100-continue", b"Connection: close", b" folded", b"X: " + b"y" * 5000, b"::"]),
     st.binary(max_size=40).filter(lambda b: b"\n" not in b))
 
 
@@ -260,7 +266,8 @@ async def test_fuzz_raw_http_server_answers_or_closes_and_keeps_serving(line, he
     or a close within the bound, and the server still serves the next client."""
     router = FakeRouter("a", always(local("a", "p", "http://upstream.invalid")))
     transport = httpx.MockTransport(_upstream)
-    app = make_front_app(router, transport, CollectorRegistry(), rng=random.Random(1), created_unix=1_700_000_000)
+    app = make_front_app(router, transport, CollectorRegistry(), rng=random.Random(1),
+                         created_unix=1_700_000_000)
     async with trio.open_nursery() as nursery:
         [url] = await nursery.start(serve_asgi, app, ["127.0.0.1:0"])
         host, port = url.removeprefix("http://").split(":")

@@ -2,7 +2,8 @@
 
 Topology, all inside namespaces this module creates and deletes (no address of the host's):
 
-    ns <tag>-a  (10.231.0.1/24, s<tag>a) --veth-- (p<tag>a) [br0 in ns <tag>-br] (p<tag>b) --veth-- (s<tag>b, 10.231.0.2/24)  ns <tag>-b
+    ns <tag>-a  (10.231.0.1/24, s<tag>a) --veth-- (p<tag>a) [br0 in ns <tag>-br]
+                                                  (p<tag>b) --veth-- (s<tag>b, 10.231.0.2/24)  ns <tag>-b
 
 Per site namespace: a simulator (127.0.0.1:8001), an operator (metrics 127.0.0.1:9100,
 signals 0.0.0.0:7443, which inside the namespace is loopback and the site's own address), a
@@ -131,7 +132,8 @@ class Grid:
     proxied_peer_link: bool = False
     # The gateways that must hold both sites fresh before the grid is handed over.
     converge: tuple[str, ...] = SITES
-    sim_args: tuple[str, ...] = ("--endpoints", "2", "--max-seqs", "8", "--ttft-s", "0.02", "--tpot-s", "0.01")
+    sim_args: tuple[str, ...] = ("--endpoints", "2", "--max-seqs", "8",
+                                 "--ttft-s", "0.02", "--tpot-s", "0.01")
 
     def __post_init__(self) -> None:
         self.tag = str(os.getpid())
@@ -198,7 +200,8 @@ class Grid:
         shutil.copytree(self.certs, self.dir / "certs", dirs_exist_ok=True)
         for site in SITES:
             other = "b" if site == "a" else "a"
-            peer = f"127.0.0.1:{self.proxy.port}" if self.proxy and site == "a" else f"{ADDR[other]}:{OP_SIGNALS}"
+            peer = (f"127.0.0.1:{self.proxy.port}" if self.proxy and site == "a"
+                    else f"{ADDR[other]}:{OP_SIGNALS}")
             (self.dir / f"op-{site}.yaml").write_text(f"""
 role: operator
 site: {site}
@@ -263,12 +266,13 @@ timings: {TIMINGS}
 
     def wait_converged(self, deadline_s: float = 60.0) -> None:
         """Both gateways hold both sites fresh and ready, and answer /readyz."""
+        readyz = f"http://127.0.0.1:{GW_HTTP}/readyz"
         for site in self.converge:
             wait_until(lambda site=site: all(c["signal"] == "fresh" and c["ready"] and not c["excluded"]
                                              for c in self.candidates(site).values())
                        and len(self.candidates(site)) == 2, f"gateway {site} holding both sites fresh",
                        deadline_s=deadline_s)
-            wait_until(lambda site=site: self.get(site, f"http://127.0.0.1:{GW_HTTP}/readyz").status_code == 200,
+            wait_until(lambda site=site: self.get(site, readyz).status_code == 200,
                        f"gateway {site} ready", deadline_s=deadline_s)
 
 
@@ -294,14 +298,16 @@ class Load:
     its gateway, one at a time each, until stopped (bounded by ``max_s`` and ``max_requests``).
     Each request has a client timeout of ``timeout_s``: an answer slower than that is a hang."""
 
-    def __init__(self, grid: Grid, site: str, *, workers: int = 4, timeout_s: float = 15.0, stream: bool = False,
-                 max_s: float = 120.0, max_requests: int = 20_000, pause_s: float = 0.02) -> None:
+    def __init__(self, grid: Grid, site: str, *, workers: int = 4, timeout_s: float = 15.0,
+                 stream: bool = False, max_s: float = 120.0, max_requests: int = 20_000,
+                 pause_s: float = 0.02) -> None:
         self.grid, self.site, self.workers, self.timeout_s = grid, site, workers, timeout_s
         self.stream, self.max_s, self.max_requests, self.pause_s = stream, max_s, max_requests, pause_s
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(workers)]
+        self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True)
+                         for i in range(workers)]
 
     def __enter__(self) -> Load:
         self._t0 = time.monotonic()
@@ -333,7 +339,8 @@ class Load:
                         out = Outcome(started, time.monotonic() - started, r.status_code,
                                       r.headers.get("x-gridd-served-by"), r.headers.get("retry-after"), error)
                 except httpx.HTTPError as exc:
-                    out = Outcome(started, time.monotonic() - started, None, error=f"{type(exc).__name__}: {exc}")
+                    out = Outcome(started, time.monotonic() - started, None,
+                                  error=f"{type(exc).__name__}: {exc}")
                 with self._lock:
                     self.outcomes.append(out)
                 time.sleep(self.pause_s)
@@ -346,7 +353,8 @@ class Load:
         counts: dict[str, int] = {}
         for o in self.since(t, until):
             if o.status == 200:
-                counts[o.served_by] = counts.get(o.served_by, 0) + 1
+                by = o.served_by or "-"  # a 200 without x-gridd-served-by
+                counts[by] = counts.get(by, 0) + 1
         return counts
 
     def wrong(self) -> list[Outcome]:
@@ -354,7 +362,8 @@ class Load:
         later than the client's bound."""
         with self._lock:
             return [o for o in self.outcomes
-                    if not ((o.status == 200 and o.error is None) or (o.status in (429, 503) and o.retry_after))]
+                    if not ((o.status == 200 and o.error is None)
+                            or (o.status in (429, 503) and o.retry_after))]
 
 
 def free_port_in(netns: str) -> int:
@@ -369,7 +378,8 @@ def wait_signal(grid: Grid, gateway_site: str, site: str, signal: str, since: fl
     wait_until(lambda: grid.candidates(gateway_site)[site]["signal"] == signal,
                f"gateway {gateway_site} holding {site} {signal}", deadline_s=bound_s + 5)
     elapsed = time.monotonic() - since
-    assert elapsed <= bound_s, f"gateway {gateway_site} saw {site} {signal} after {elapsed:.1f} s > {bound_s} s"
+    assert elapsed <= bound_s, \
+        f"gateway {gateway_site} saw {site} {signal} after {elapsed:.1f} s > {bound_s} s"
     return elapsed
 
 

@@ -65,8 +65,8 @@ def test_a_flapping_provider_gets_no_request_while_not_ready_beyond_one_poll(mak
             wait_until(lambda: grid.candidates("a")["a"]["ready"] is True, "pool-a ready at gateway a")
             sim(grid, **DOWN)
             went_down = time.monotonic()
-            wait_until(lambda: grid.candidates("a")["a"]["ready"] is False, "gateway a holding pool-a not ready",
-                       deadline_s=10)
+            wait_until(lambda: grid.candidates("a")["a"]["ready"] is False,
+                       "gateway a holding pool-a not ready", deadline_s=10)
             # The verdict: the floor (2 s) after the last answered scrape, then one gateway poll.
             # Down until two windows were checked (at most 15 s: status reads are slow under load).
             checked = windows
@@ -83,5 +83,5 @@ def test_a_flapping_provider_gets_no_request_while_not_ready_beyond_one_poll(mak
         time.sleep(2)
     assert load.wrong() == [], load.wrong()[:3]
     assert {o.status for o in load.outcomes} == {200}
-    print(f"flapping: {flips} flips every 2 s, {retried:.0f} refusals retried on b; {windows} not-ready windows "
-          f"with no request reaching pool-a; {len(load.outcomes)} requests, all 200")
+    print(f"flapping: {flips} flips every 2 s, {retried:.0f} refusals retried on b; {windows} "
+          f"not-ready windows with no request reaching pool-a; {len(load.outcomes)} requests, all 200")

@@ -41,17 +41,20 @@ def test_operator_sigkill_and_restart_under_load(make_grid):
         assert during and all(o.status == 200 for o in during), during[:3]
         grid.start("op", "a")
         # The restarted operator publishes above its high-water mark, and b admits it.
-        after = wait_until(lambda: (e := epoch_of(grid, "b", "a")) and e > before and e, "b admitting a's new epoch",
-                           deadline_s=30)
+        after = wait_until(lambda: (e := epoch_of(grid, "b", "a")) and e > before and e,
+                           "b admitting a's new epoch", deadline_s=30)
         assert after == int((grid.dir / "state" / "op-a" / "publisher_epoch").read_text())
         back = time.monotonic() - killed
-        wait_until(lambda: grid.candidates("a")["a"]["signal"] == "fresh" and grid.status("gw-a")["role_status"][
-            "operator_state"] == "up", "gateway a back on its operator")
+        wait_until(lambda: grid.candidates("a")["a"]["signal"] == "fresh"
+                   and grid.status("gw-a")["role_status"]["operator_state"] == "up",
+                   "gateway a back on its operator")
         # Sample b's view for a while: the epoch never goes back (no batch of the old epoch,
         # delayed in a poll under way at the kill, is admitted after the new one).
-        seen = []
+        seen: list[int] = []
         for _ in range(6):
-            seen.append(epoch_of(grid, "b", "a"))
+            epoch = epoch_of(grid, "b", "a")
+            assert epoch is not None, seen
+            seen.append(epoch)
             time.sleep(0.5)
         assert seen == sorted(seen) and seen[0] == after, seen
         drops_b = total(grid.metrics("b"), "grid_signals_ingest_dropped_total", reason="skew")
@@ -61,9 +64,14 @@ def test_operator_sigkill_and_restart_under_load(make_grid):
           f"{len(load_a.outcomes)} + {len(load_b.outcomes)} requests, none failed")
 
 
+def gateway_b_skew_drops(grid) -> float:
+    return total(grid.metrics("b", "gw"), "grid_signals_ingest_dropped_total", reason="skew")
+
+
 def rejected_count(grid) -> tuple[str, int]:
     """(status, skew drops) of gateway b's GatewayAgesRejected condition at operator b."""
-    [cond] = [c for c in grid.status("op-b")["role_status"]["gateway_feedback"]["conditions"] if c["replica"] == "g1"]
+    conditions = grid.status("op-b")["role_status"]["gateway_feedback"]["conditions"]
+    [cond] = [c for c in conditions if c["replica"] == "g1"]
     m = re.search(r"rejected (\d+) batch", cond["message"])
     return cond["status"], int(m.group(1)) if m else 0
 
@@ -88,8 +96,7 @@ def test_gateway_clock_11_minutes_behind_through_a_sighup_storm(make_grid):
     at the 1 s poll)."""
     storm_s = 30.0 if LONG else 10.0
     with make_grid(env={"gw-b": {"GRIDD_WALL_CLOCK_OFFSET_S": "-660"}}, converge=("a",)) as grid:
-        wait_until(lambda: total(grid.metrics("b", "gw"), "grid_signals_ingest_dropped_total", reason="skew") >= 3,
-                   "gateway b dropping its operator's batches as skew")
+        wait_until(lambda: gateway_b_skew_drops(grid) >= 3, "gateway b dropping its operator's batches as skew")
         status, count = wait_until(lambda: (r := rejected_count(grid))[0] == "True" and r,
                                    "GatewayAgesRejected raised at operator b")
         assert count >= 1
@@ -121,10 +128,11 @@ def test_gateway_clock_11_minutes_behind_through_a_sighup_storm(make_grid):
         [cond] = grid.status("op-b")["role_status"]["gateway_feedback"]["conditions"]
         assert cond["reason"] == "ReportsClean", cond
         assert series(grid.metrics("b"), "grid_signals_gateway_replicas_rejecting")[0][1] == 0.0
-        wait_until(lambda: grid.get("b", "http://127.0.0.1:8080/readyz").status_code == 200, "gateway b ready")
+        wait_until(lambda: grid.get("b", "http://127.0.0.1:8080/readyz").status_code == 200,
+                   "gateway b ready")
         assert grid.candidates("b")["b"]["signal"] == "fresh"
-    print(f"skew: {counts[0]} -> {counts[-1]} rejected batches reported through {sent} SIGHUPs in {storm_s:.0f} s; "
-          f"cleared {cleared_after:.1f} s after the fixed gateway started")
+    print(f"skew: {counts[0]} -> {counts[-1]} rejected batches reported through {sent} SIGHUPs "
+          f"in {storm_s:.0f} s; cleared {cleared_after:.1f} s after the fixed gateway started")
 
 
 def reissue_leaves(certs, days: int) -> None:
@@ -137,7 +145,8 @@ def reissue_leaves(certs, days: int) -> None:
     with redirect_stdout(None):
         for site in SITES:
             for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
-                assert gridd.certs.main(["issue", str(certs), "--site", site, *role, "--days", str(days)]) == 0
+                args = ["issue", str(certs), "--site", site, *role, "--days", str(days)]
+                assert gridd.certs.main(args) == 0
 
 
 def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(make_grid):
@@ -146,9 +155,11 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
     No request fails; every reload commits; the operators serve the new certificate and
     every link is up on it."""
     storm_s = 30.0 if LONG else 10.0
-    with make_grid() as grid, Load(grid, "a", workers=3) as load_a, Load(grid, "b", workers=3) as load_b:
+    with make_grid() as grid, Load(grid, "a", workers=3) as load_a, \
+            Load(grid, "b", workers=3) as load_b:
         names = [f"{kind}-{site}" for kind in ("op", "gw") for site in SITES]
-        old_not_after = {site: grid.status(f"op-{site}")["role_status"]["signals"]["tls_not_after"] for site in SITES}
+        old_not_after = {site: grid.status(f"op-{site}")["role_status"]["signals"]["tls_not_after"]
+                         for site in SITES}
         sent = hup_storm(grid, names, storm_s / 2)
         rotated = time.monotonic()
         reissue_leaves(grid.dir / "certs", days=30)
@@ -158,15 +169,17 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
                 "tls_not_after"]) != old_not_after[site] and n, f"operator {site} on its new certificate")
             assert new < old_not_after[site]  # 30 days instead of the default
         for name in names:
-            assert grid.status(name)["last_reload"]["result"] == "ok", (name, grid.status(name)["last_reload"])
+            last_reload = grid.status(name)["last_reload"]
+            assert last_reload["result"] == "ok", (name, last_reload)
         for site in SITES:
             assert total(grid.metrics(site), "gridd_config_reloads_total", result="error") == 0
             assert total(grid.metrics(site, "gw"), "gridd_config_reloads_total", result="error") == 0
         # The links came back up on the new certificates: fresh readings keep arriving.
         rejoined = time.monotonic()
         for site in SITES:
-            wait_until(lambda site=site: all(c["signal"] == "fresh" and c["age_s"] < time.monotonic() - rejoined
-                                             + 2 for c in grid.candidates(site).values()),
+            wait_until(lambda site=site: all(c["signal"] == "fresh"
+                                             and c["age_s"] < time.monotonic() - rejoined + 2
+                                             for c in grid.candidates(site).values()),
                        f"gateway {site} fresh after the rotation")
             assert grid.status(f"op-{site}")["role_status"]["peers"][0]["state"] == "up"
         time.sleep(1)
@@ -174,8 +187,8 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
         assert load.wrong() == [], load.wrong()[:3]
         assert {o.status for o in load.outcomes} == {200}
         assert len(load.since(rotated)) >= 10
-    print(f"rotation: {sent} SIGHUPs over {storm_s:.0f} s, {len(load_a.outcomes) + len(load_b.outcomes)} requests, "
-          f"all 200")
+    print(f"rotation: {sent} SIGHUPs over {storm_s:.0f} s, "
+          f"{len(load_a.outcomes) + len(load_b.outcomes)} requests, all 200")
 
 
 def test_a_gateway_dropping_every_batch_as_skew_answers_503_not_404(make_grid):
@@ -183,8 +196,7 @@ def test_a_gateway_dropping_every_batch_as_skew_answers_503_not_404(make_grid):
     whose clock is 11 minutes behind drops every batch its operator relays (skew), so it
     holds no candidate: it has no routing data, whatever its polls return."""
     with make_grid(env={"gw-b": {"GRIDD_WALL_CLOCK_OFFSET_S": "-660"}}, converge=("a",)) as grid:
-        wait_until(lambda: total(grid.metrics("b", "gw"), "grid_signals_ingest_dropped_total", reason="skew") >= 3,
-                   "gateway b dropping its operator's batches as skew")
+        wait_until(lambda: gateway_b_skew_drops(grid) >= 3, "gateway b dropping its operator's batches as skew")
         assert grid.candidates("b") == {}
         with Load(grid, "b", workers=1) as load_b, Load(grid, "a", workers=2) as load_a:
             time.sleep(2)
