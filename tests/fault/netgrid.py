@@ -197,7 +197,11 @@ class Grid:
         ip("-n", self.bridge_ns, "link", "set", f"p{self.tag}{site}", "up")
 
     def _configs(self) -> None:
-        shutil.copytree(self.certs, self.dir / "certs", dirs_exist_ok=True)
+        # `certs` is a symlink to a directory, so a rotation can switch every file at once
+        # (test_fault_restarts.py: reissue_leaves).
+        shutil.copytree(self.certs, self.dir / "certs.0", dirs_exist_ok=True)
+        if not (self.dir / "certs").is_symlink():
+            os.symlink("certs.0", self.dir / "certs")
         for site in SITES:
             other = "b" if site == "a" else "a"
             peer = (f"127.0.0.1:{self.proxy.port}" if self.proxy and site == "a"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -135,18 +136,25 @@ def test_gateway_clock_11_minutes_behind_through_a_sighup_storm(make_grid):
           f"in {storm_s:.0f} s; cleared {cleared_after:.1f} s after the fixed gateway started")
 
 
-def reissue_leaves(certs, days: int) -> None:
-    """`gridd certs issue` again for every host, into the running grid's certs directory
-    (key then certificate, each by atomic rename)."""
+def reissue_leaves(grid_dir, days: int) -> None:
+    """`gridd certs issue` again for every host, into a copy of the grid's certificates, then
+    the `certs` symlink switched to the copy by one atomic rename (how a mounted secret is
+    updated). Written in place, a key and its certificate are two renames: a reload between
+    them reads a new key with the old certificate and is rejected (seen under load)."""
     from contextlib import redirect_stdout
 
     import gridd.certs
 
+    live = grid_dir / "certs"
+    new = grid_dir / f"certs.{time.monotonic_ns()}"
+    shutil.copytree(live.resolve(), new)
     with redirect_stdout(None):
         for site in SITES:
             for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
-                args = ["issue", str(certs), "--site", site, *role, "--days", str(days)]
+                args = ["issue", str(new), "--site", site, *role, "--days", str(days)]
                 assert gridd.certs.main(args) == 0
+    os.symlink(new.name, grid_dir / "certs.next")
+    os.replace(grid_dir / "certs.next", live)
 
 
 def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(make_grid):
@@ -162,7 +170,7 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
                          for site in SITES}
         sent = hup_storm(grid, names, storm_s / 2)
         rotated = time.monotonic()
-        reissue_leaves(grid.dir / "certs", days=30)
+        reissue_leaves(grid.dir, days=30)
         sent += hup_storm(grid, names, storm_s / 2)
         for site in SITES:
             new = wait_until(lambda site=site: (n := grid.status(f"op-{site}")["role_status"]["signals"][
