@@ -329,10 +329,11 @@ def main(argv: list[str]) -> int:
         for site in ("a", "b"):
             out = open(ws / f"client-{site}.jsonl", "wb")  # noqa: SIM115 - lives with the child
             err = open(ws / f"client-{site}.log", "ab")  # noqa: SIM115 - lives with the child
+            own = ["--own-connection"] if args.client_per_worker else []
             clients.append(subprocess.Popen(
                 [sys.executable, __file__, "client", "--url", f"http://127.0.0.1:{grid.p[f'gw-{site}']}",
                  "--workers", str(args.concurrency // 2), "--until", str(until), "--start", str(start),
-                 "--max-tokens", str(args.max_tokens), *(["--own-connection"] if args.client_per_worker else [])],
+                 "--max-tokens", str(args.max_tokens), *own],
                 stdout=out, stderr=err))
             out.close()
             err.close()

@@ -254,7 +254,8 @@ _raw_line = st.one_of(
 _raw_header = st.one_of(
     st.sampled_from([b"Host: gw", b"Content-Length: 5", b"Content-Length: -1",
                      b"Content-Length: 99999999999999", b"Transfer-Encoding: chunked",
-                     b"Transfer-Encoding: gzip, chunked", b"Content-Length: 1, 2", b"Expect: 100-continue", b"Connection: close", b" folded", b"X: " + b"y" * 5000, b"::"]),
+                     b"Transfer-Encoding: gzip, chunked", b"Content-Length: 1, 2",
+                     b"Expect: 100-continue", b"Connection: close", b" folded", b"X: " + b"y" * 5000, b"::"]),
     st.binary(max_size=40).filter(lambda b: b"\n" not in b))
 
 

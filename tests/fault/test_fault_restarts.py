@@ -97,7 +97,8 @@ def test_gateway_clock_11_minutes_behind_through_a_sighup_storm(make_grid):
     at the 1 s poll)."""
     storm_s = 30.0 if LONG else 10.0
     with make_grid(env={"gw-b": {"GRIDD_WALL_CLOCK_OFFSET_S": "-660"}}, converge=("a",)) as grid:
-        wait_until(lambda: gateway_b_skew_drops(grid) >= 3, "gateway b dropping its operator's batches as skew")
+        wait_until(lambda: gateway_b_skew_drops(grid) >= 3,
+                   "gateway b dropping its operator's batches as skew")
         status, count = wait_until(lambda: (r := rejected_count(grid))[0] == "True" and r,
                                    "GatewayAgesRejected raised at operator b")
         assert count >= 1
@@ -204,7 +205,8 @@ def test_a_gateway_dropping_every_batch_as_skew_answers_503_not_404(make_grid):
     whose clock is 11 minutes behind drops every batch its operator relays (skew), so it
     holds no candidate: it has no routing data, whatever its polls return."""
     with make_grid(env={"gw-b": {"GRIDD_WALL_CLOCK_OFFSET_S": "-660"}}, converge=("a",)) as grid:
-        wait_until(lambda: gateway_b_skew_drops(grid) >= 3, "gateway b dropping its operator's batches as skew")
+        wait_until(lambda: gateway_b_skew_drops(grid) >= 3,
+                   "gateway b dropping its operator's batches as skew")
         assert grid.candidates("b") == {}
         with Load(grid, "b", workers=1) as load_b, Load(grid, "a", workers=2) as load_a:
             time.sleep(2)
