@@ -10,10 +10,11 @@ mutual TLS, one gateway per site. Half the clients use gateway a, half gateway b
 processes (this script's `client` mode), each streaming with --concurrency/2 workers, one
 request at a time each, a 60 s bound per request.
 
-- Provider restart (every --provider-restart-min minutes, sites alternating): the simulator
-  is drained (endpoints 0: it takes no new work and finishes what it holds, bounded 30 s),
-  killed and started again on the same port. Requests that reach it meanwhile get 503 or a
-  refused connection, which the gateway retries on the other site.
+- Provider restart (every --provider-restart-min minutes, sites alternating), the way an
+  operator restarts a provider (docs/reliability.md): `unavailable: true` through its
+  operator's providers API, wait until both gateways exclude it (`gridctl explain`), wait
+  until the simulator holds no request (bounded 90 s), stop it (SIGTERM), start it again on
+  the same port, `unavailable: false`, wait until both gateways route to it again.
 - Peer restart (once, at half time): operator b gets SIGTERM and starts again.
 
 Every minute: throughput, latency percentiles (whole stream and first byte), answers by kind,
@@ -32,6 +33,7 @@ import argparse
 import json
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,7 +132,8 @@ def client_main(argv: list[str]) -> int:
         # Idle connections expire on the client well before the gateway's 5 s keep-alive ends
         # them (DEFAULT_KEEP_ALIVE_S): reusing one the server is closing at that moment fails
         # with "Server disconnected without sending a response".
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.workers, keepalive_expiry=2.0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.workers,
+                              keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits) as client, \
                 trio.open_nursery() as nursery:
             for i in range(args.workers):
@@ -153,13 +156,14 @@ def client_main(argv: list[str]) -> int:
 class Grid:
     def __init__(self, ws: pathlib.Path, sim_args: list[str], max_connections: int) -> None:
         self.ws, self.sim_args, self.max_connections = ws, sim_args, max_connections
-        self.p = dict(zip(["sim-a", "sim-b", "sig-a", "sig-b", "gw-a", "gw-b"], free_ports(6), strict=True))
+        names = ["sim-a", "sim-b", "sig-a", "sig-b", "api-a", "api-b", "gw-a", "gw-b"]
+        self.p = dict(zip(names, free_ports(len(names)), strict=True))
         self.procs: dict[str, subprocess.Popen] = {}
 
     def certs(self) -> None:
         certs = self.ws / "certs"
-        commands = [["init"]] + [["issue", "--site", s, *role] for s in ("a", "b")
-                                 for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"])]
+        roles = (["--role", "operator"], ["--role", "gateway", "--replica", "g1"])
+        commands = [["init"]] + [["issue", "--site", s, *role] for s in ("a", "b") for role in roles]
         for args in commands:
             subprocess.run([sys.executable, "-m", "gridd", "certs", args[0], str(certs), *args[1:]],
                            check=True, capture_output=True, timeout=60)
@@ -171,7 +175,7 @@ class Grid:
 role: operator
 site: {site}
 tls: {{ca: certs/ca.pem, cert: certs/{site}-operator.pem, key: certs/{site}-operator-key.pem}}
-listen: {{signals: "127.0.0.1:{p[f'sig-{site}']}"}}
+listen: {{signals: "127.0.0.1:{p[f'sig-{site}']}", http: "127.0.0.1:{p[f'api-{site}']}"}}
 control_socket: run/op-{site}.sock
 state_dir: state/op-{site}
 ingress: http://127.0.0.1:{p[f'gw-{site}']}
@@ -199,8 +203,8 @@ limits: {{http_max_connections: {self.max_connections}}}
 
     def start(self, name: str) -> None:
         kind, site = name.split("-")
-        args = (["sim", "--port", str(self.p[name]), "--model", MODEL, "--pool", f"pool-{site}", *self.sim_args]
-                if kind == "sim" else ["run", "--config", str(self.ws / f"{name}.yaml")])
+        args = (["sim", "--port", str(self.p[name]), "--model", MODEL, "--pool", f"pool-{site}",
+                 *self.sim_args] if kind == "sim" else ["run", "--config", str(self.ws / f"{name}.yaml")])
         log = open(self.ws / f"{name}.log", "ab")  # noqa: SIM115 - lives with the child
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "gridd", *args], stdout=log, stderr=log,
                                             cwd=self.ws)
@@ -218,23 +222,51 @@ limits: {{http_max_connections: {self.max_connections}}}
 
         return httpx.post(f"http://127.0.0.1:{self.p[f'sim-{site}']}/admin", json=knobs, timeout=5).json()
 
-    def restart_provider(self, site: str) -> float:
-        """Drain (endpoints 0), kill, start again on the same port; seconds it took."""
+    def set_unavailable(self, site: str, unavailable: bool) -> None:
+        """The providers API of site's operator: pool-<site>'s administrative `unavailable`."""
+        import httpx
+
+        token = (self.ws / f"state/op-{site}/api-token").read_text().strip()
+        r = httpx.post(f"http://127.0.0.1:{self.p[f'api-{site}']}/v1/providers/pool-{site}",
+                       json={"unavailable": unavailable}, headers={"authorization": f"Bearer {token}"},
+                       timeout=30)
+        r.raise_for_status()
+
+    def routable(self, gateway: str, site: str) -> bool:
+        """Gateway's view (`gridctl explain`): pool-<site> is a candidate not excluded."""
+        from gridd.control import request
+
+        reply = request(self.ws / f"run/gw-{gateway}.sock", "explain", model=MODEL, timeout_s=10)
+        views = [c for c in reply["explain"]["candidates"] if c["provider"] == f"pool-{site}"]
+        return bool(views) and views[0]["excluded"] is None
+
+    def restart_provider(self, site: str) -> tuple[float, list[str]]:
+        """Restart pool-<site> the way an operator does (docs/reliability.md): mark it
+        unavailable through the providers API, wait until both gateways exclude it, let the
+        requests it holds finish, stop it (SIGTERM), start it, mark it available again and wait
+        until both gateways route to it. Seconds it took, and each step's time."""
         import httpx
 
         began = time.monotonic()
-        try:
-            self.sim_admin(site, endpoints=0)
-            end = time.monotonic() + DRAIN_BOUND_S
-            while time.monotonic() < end and self.sim_admin(site)["in_flight"] > 0:
-                time.sleep(0.2)
-        except httpx.HTTPError:
-            pass
-        self.procs.pop(f"sim-{site}").kill()
+        steps: list[str] = []
+
+        def step(what: str, check, bound_s: float) -> None:
+            try:
+                wait_for(check, what, time.monotonic() + bound_s)
+                steps.append(f"{what} {time.monotonic() - began:.1f} s")
+            except TimeoutError:
+                steps.append(f"{what} NOT within {bound_s:g} s")
+
+        self.set_unavailable(site, True)
+        step("excluded", lambda: not any(self.routable(g, site) for g in ("a", "b")), 30)
+        step("drained", lambda: self.sim_admin(site)["in_flight"] == 0, DRAIN_BOUND_S)
+        self.stop(f"sim-{site}")
         self.start(f"sim-{site}")
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{self.p[f'sim-{site}']}/health", timeout=2).status_code == 200,
-                 f"sim-{site} back", time.monotonic() + 30)
-        return time.monotonic() - began
+        step("started", lambda: httpx.get(f"http://127.0.0.1:{self.p[f'sim-{site}']}/health",
+                                         timeout=2).status_code == 200, 30)
+        self.set_unavailable(site, False)
+        step("routed", lambda: all(self.routable(g, site) for g in ("a", "b")), 30)
+        return time.monotonic() - began, steps
 
     def ready(self, site: str) -> bool:
         import httpx
@@ -245,7 +277,8 @@ limits: {{http_max_connections: {self.max_connections}}}
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=60.0)
-    parser.add_argument("--concurrency", type=int, default=1000, help="streamed requests in flight, both sites")
+    parser.add_argument("--concurrency", type=int, default=1000,
+                        help="streamed requests in flight, both sites")
     parser.add_argument("--provider-restart-min", type=float, default=3.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     # Long, slow streams: 1000 held at once at a chunk rate two shared cores can carry
@@ -268,6 +301,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.concurrency < 2:
         parser.error("--minutes must be positive and --concurrency at least 2")
+    # Started in the background (`&`), SIGINT is ignored: SIGTERM stops the grid and clients too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     ws = pathlib.Path(args.workspace or tempfile.mkdtemp(prefix="gridd-soak-"))
     ws.mkdir(parents=True, exist_ok=True)
@@ -289,11 +324,15 @@ def main(argv: list[str]) -> int:
         cap = time.monotonic() + args.minutes * 60 + 300
         for site in ("a", "b"):
             out = open(ws / f"client-{site}.jsonl", "wb")  # noqa: SIM115 - lives with the child
+            err = open(ws / f"client-{site}.log", "ab")  # noqa: SIM115 - lives with the child
+            own = ["--own-connection"] if args.client_per_worker else []
             clients.append(subprocess.Popen(
                 [sys.executable, __file__, "client", "--url", f"http://127.0.0.1:{grid.p[f'gw-{site}']}",
                  "--workers", str(args.concurrency // 2), "--until", str(until), "--start", str(start),
-                 "--max-tokens", str(args.max_tokens), *(["--own-connection"] if args.client_per_worker else [])], stdout=out, stderr=open(ws / f"client-{site}.log", "ab")))  # noqa: SIM115
+                 "--max-tokens", str(args.max_tokens), *own],
+                stdout=out, stderr=err))
             out.close()
+            err.close()
         print(f"soak: {args.minutes:g} min, {args.concurrency} streams in flight, workspace {ws}", flush=True)
         print("minute  req/s   ok  designed errors           p50_s  p99_s  ttfb_p99  "
               "rss_mb gw-a/gw-b/op-a/op-b       fds gw-a/gw-b/op-a/op-b", flush=True)
@@ -307,9 +346,9 @@ def main(argv: list[str]) -> int:
         while time.time() < until and time.monotonic() < cap:
             elapsed = time.time() - start
             if elapsed >= next_restart:
-                took = grid.restart_provider(restart_site)
-                events.append(f"{elapsed / 60:.1f} min: provider pool-{restart_site} restarted (drain + kill + start, "
-                              f"{took:.1f} s)")
+                took, steps = grid.restart_provider(restart_site)
+                events.append(f"{elapsed / 60:.1f} min: provider pool-{restart_site} restarted in "
+                              f"{took:.1f} s ({', '.join(steps)})")
                 restart_site = "b" if restart_site == "a" else "a"
                 next_restart += args.provider_restart_min * 60
             if not peer_restarted and elapsed >= args.minutes * 30 + 20:  # not on a sample's second
@@ -339,7 +378,8 @@ def main(argv: list[str]) -> int:
     for site in ("a", "b"):
         for line in (ws / f"client-{site}.jsonl").read_text().splitlines():
             rec = json.loads(line)
-            agg = by_minute.setdefault(rec["minute"] + 1, {"kinds": {}, "p50": [], "p99": [], "ttfb_p99": [], "n": 0})
+            agg = by_minute.setdefault(rec["minute"] + 1,
+                                       {"kinds": {}, "p50": [], "p99": [], "ttfb_p99": [], "n": 0})
             for k, v in rec["kinds"].items():
                 agg["kinds"][k] = agg["kinds"].get(k, 0) + v
             agg["n"] += rec["n"]
@@ -354,10 +394,11 @@ def main(argv: list[str]) -> int:
         for k, v in agg["kinds"].items():
             totals[k] = totals.get(k, 0) + v
         errors = {k: v for k, v in rec["kinds"].items() if k not in ("ok", "designed")}
-        print(f"{rec['minute']:>6} {rec['n'] / 60:>6.1f} {rec['kinds'].get('ok', 0):>6} {rec['kinds'].get('designed', 0):>6} "
+        rss = "/".join(f"{v:.0f}" if v else "?" for v in rec["rss_mb"].values())
+        print(f"{rec['minute']:>6} {rec['n'] / 60:>6.1f} {rec['kinds'].get('ok', 0):>6} "
+              f"{rec['kinds'].get('designed', 0):>6} "
               f"{json.dumps(errors) if errors else '-':<16} {rec['p50_s']:>6.2f} {rec['p99_s']:>6.2f} "
-              f"{rec['ttfb_p99_s']:>8.2f}  {'/'.join(f'{v:.0f}' if v else '?' for v in rec['rss_mb'].values()):<26} "
-              f"{'/'.join(str(v) for v in rec['fds'].values())}")
+              f"{rec['ttfb_p99_s']:>8.2f}  {rss:<26} {'/'.join(str(v) for v in rec['fds'].values())}")
     for e in events:
         print("event:", e)
     errors = {k: v for k, v in totals.items() if k not in ("ok", "designed")}
@@ -376,11 +417,12 @@ def main(argv: list[str]) -> int:
         end["rss_mb"][d] and end["rss_mb"][d] <= 1.10 * mb for d, (_, mb) in base.items())
     print(f"totals: {json.dumps(totals)}; errors: {json.dumps(errors) if errors else 'none'}")
     if end:
-        shares = ", ".join(f"{d} {end['rss_mb'][d] or 0:.0f} MB (minute {m}: {mb:.0f})" for d, (m, mb) in base.items())
+        shares = ", ".join(f"{d} {end['rss_mb'][d] or 0:.0f} MB (minute {m}: {mb:.0f})"
+                           for d, (m, mb) in base.items())
         print(f"rss at the end: {shares}")
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "records": records, "events": events,
-                                                      "totals": totals}, indent=1))
+        pathlib.Path(args.out).write_text(json.dumps(
+            {"args": vars(args), "records": records, "events": events, "totals": totals}, indent=1))
     if not args.workspace:
         shutil.rmtree(ws, ignore_errors=True)
     ok = not errors and rss_ok and totals.get("ok", 0) > 0

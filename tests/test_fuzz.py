@@ -44,14 +44,13 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 10
 # -- the exposition parser ------------------------------------------------------------------------
 
 _names = st.sampled_from(["vllm:num_requests_waiting", "vllm:num_requests_running",
-                          "inference_pool_ready_pods", "inference_pool_per_pod_queue_size", "x", "_", "a:b_c",
-                          "9bad", "vllm:kv_cache_usage_perc"])
+                          "inference_pool_ready_pods", "inference_pool_per_pod_queue_size", "x", "_",
+                          "a:b_c", "9bad", "vllm:kv_cache_usage_perc"])
 _label_value = st.lists(st.sampled_from(list('ab"\\\n{},= \t\x00é') + ["\\n", '\\"', "\\\\"]),
                         max_size=8).map("".join)
 _label = st.tuples(st.sampled_from(["name", "pod", "model_name", "le", "", "9", "a b"]), _label_value)
-_value = st.one_of(st.sampled_from(["0", "1", "-1", "NaN", "+Inf", "-Inf", "1e308", "1e309", "0x10",
-                                    "1_0", "", "--1", "3.5", "nan", "inf"]),
-                   st.floats(allow_nan=True).map(repr))
+_value = st.one_of(st.sampled_from(["0", "1", "-1", "NaN", "+Inf", "-Inf", "1e308", "1e309", "0x10", "1_0",
+                                    "", "--1", "3.5", "nan", "inf"]), st.floats(allow_nan=True).map(repr))
 
 
 @st.composite
@@ -87,22 +86,20 @@ def test_fuzz_exposition_parser_never_raises(body, wanted):
 
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
                     st.text(max_size=20), st.binary(max_size=8))
-_tree = st.recursive(_scalar,
-                     lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                             st.dictionaries(st.text(max_size=12), inner, max_size=5)),
-                     max_leaves=25)
+_tree = st.recursive(_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=5)), max_leaves=25)
 _kinds = st.sampled_from(["poll", "batches", "serving", "report", "ack", "error", "nope", ""])
-_batch_keys = ["site", "provider", "model", "publisher_epoch", "batch_sequence", "published_ms",
-               "ready", "load", "revision", "complete", "age_ms", "provider_uid", "generation"]
+_batch_keys = ["site", "provider", "model", "publisher_epoch", "batch_sequence", "published_ms", "ready",
+               "load", "revision", "complete", "age_ms", "provider_uid", "generation"]
+_message_keys = ["protocol", "batches", "cursor", "since", "sequence", "epoch", "ok", "message", "evidence",
+                 "replica", "providers", "sites"]
 
 
 @st.composite
 def _frame(draw) -> bytes:
     """msgpack of a message-like map: a known tag with fields that are sometimes right."""
     msg = {"kind": draw(_kinds)}
-    for key in draw(st.lists(st.sampled_from(["protocol", "batches", "cursor", "since", "sequence", "epoch",
-                                              "ok", "message", "evidence", "replica", "providers", "sites"]),
-                             max_size=5)):
+    for key in draw(st.lists(st.sampled_from(_message_keys), max_size=5)):
         msg[key] = draw(_tree)
     if msg["kind"] == "batches" and draw(st.booleans()):
         msg["batches"] = [{k: draw(st.one_of(_scalar, _tree))
@@ -185,8 +182,8 @@ _provider_body = st.fixed_dictionaries({}, optional={
         "timeout": st.one_of(st.floats(), st.integers(), st.text(max_size=4)),
         "auth": st.one_of(_tree, st.fixed_dictionaries(
             {"scheme": st.sampled_from(["none", "bearer", "header", "x"])},
-            optional={"api_key": st.one_of(st.none(), st.text(max_size=10)),
-                      "custom_headers": _tree}))}), _tree),
+            optional={"api_key": st.one_of(st.none(), st.text(max_size=10)), "custom_headers": _tree}))}),
+        _tree),
     "metrics": _tree, "metadata": _tree, "probes": _tree, "unknown": _tree})
 
 

@@ -3,7 +3,7 @@
 Topology, all inside namespaces this module creates and deletes (no address of the host's):
 
     ns <tag>-a  (10.231.0.1/24, s<tag>a) --veth-- (p<tag>a) [br0 in ns <tag>-br]
-    ns <tag>-b  (10.231.0.2/24, s<tag>b) --veth-- (p<tag>b) [br0 in ns <tag>-br]
+                                                  (p<tag>b) --veth-- (s<tag>b, 10.231.0.2/24)  ns <tag>-b
 
 Per site namespace: a simulator (127.0.0.1:8001), an operator (metrics 127.0.0.1:9100,
 signals 0.0.0.0:7443, which inside the namespace is loopback and the site's own address), a
@@ -132,8 +132,8 @@ class Grid:
     proxied_peer_link: bool = False
     # The gateways that must hold both sites fresh before the grid is handed over.
     converge: tuple[str, ...] = SITES
-    sim_args: tuple[str, ...] = ("--endpoints", "2", "--max-seqs", "8", "--ttft-s", "0.02",
-                                 "--tpot-s", "0.01")
+    sim_args: tuple[str, ...] = ("--endpoints", "2", "--max-seqs", "8",
+                                 "--ttft-s", "0.02", "--tpot-s", "0.01")
 
     def __post_init__(self) -> None:
         self.tag = str(os.getpid())
@@ -197,11 +197,15 @@ class Grid:
         ip("-n", self.bridge_ns, "link", "set", f"p{self.tag}{site}", "up")
 
     def _configs(self) -> None:
-        shutil.copytree(self.certs, self.dir / "certs", dirs_exist_ok=True)
+        # `certs` is a symlink to a directory, so a rotation can switch every file at once
+        # (test_fault_restarts.py: reissue_leaves).
+        shutil.copytree(self.certs, self.dir / "certs.0", dirs_exist_ok=True)
+        if not (self.dir / "certs").is_symlink():
+            os.symlink("certs.0", self.dir / "certs")
         for site in SITES:
             other = "b" if site == "a" else "a"
-            proxied = bool(self.proxy) and site == "a"
-            peer = f"127.0.0.1:{self.proxy.port}" if proxied else f"{ADDR[other]}:{OP_SIGNALS}"
+            peer = (f"127.0.0.1:{self.proxy.port}" if self.proxy and site == "a"
+                    else f"{ADDR[other]}:{OP_SIGNALS}")
             (self.dir / f"op-{site}.yaml").write_text(f"""
 role: operator
 site: {site}
@@ -266,13 +270,13 @@ timings: {TIMINGS}
 
     def wait_converged(self, deadline_s: float = 60.0) -> None:
         """Both gateways hold both sites fresh and ready, and answer /readyz."""
+        readyz = f"http://127.0.0.1:{GW_HTTP}/readyz"
         for site in self.converge:
             wait_until(lambda site=site: all(c["signal"] == "fresh" and c["ready"] and not c["excluded"]
                                              for c in self.candidates(site).values())
                        and len(self.candidates(site)) == 2, f"gateway {site} holding both sites fresh",
                        deadline_s=deadline_s)
-            wait_until(lambda site=site: self.get(site,
-                                                  f"http://127.0.0.1:{GW_HTTP}/readyz").status_code == 200,
+            wait_until(lambda site=site: self.get(site, readyz).status_code == 200,
                        f"gateway {site} ready", deadline_s=deadline_s)
 
 
@@ -299,8 +303,8 @@ class Load:
     Each request has a client timeout of ``timeout_s``: an answer slower than that is a hang."""
 
     def __init__(self, grid: Grid, site: str, *, workers: int = 4, timeout_s: float = 15.0,
-                 stream: bool = False,
-                 max_s: float = 120.0, max_requests: int = 20_000, pause_s: float = 0.02) -> None:
+                 stream: bool = False, max_s: float = 120.0, max_requests: int = 20_000,
+                 pause_s: float = 0.02) -> None:
         self.grid, self.site, self.workers, self.timeout_s = grid, site, workers, timeout_s
         self.stream, self.max_s, self.max_requests, self.pause_s = stream, max_s, max_requests, pause_s
         self.outcomes: list[Outcome] = []
@@ -353,7 +357,8 @@ class Load:
         counts: dict[str, int] = {}
         for o in self.since(t, until):
             if o.status == 200:
-                counts[o.served_by] = counts.get(o.served_by, 0) + 1
+                by = o.served_by or "-"  # a 200 without x-gridd-served-by
+                counts[by] = counts.get(by, 0) + 1
         return counts
 
     def wrong(self) -> list[Outcome]:
@@ -377,8 +382,8 @@ def wait_signal(grid: Grid, gateway_site: str, site: str, signal: str, since: fl
     wait_until(lambda: grid.candidates(gateway_site)[site]["signal"] == signal,
                f"gateway {gateway_site} holding {site} {signal}", deadline_s=bound_s + 5)
     elapsed = time.monotonic() - since
-    assert elapsed <= bound_s, (f"gateway {gateway_site} saw {site} {signal} after {elapsed:.1f} s "
-                                f"> {bound_s} s")
+    assert elapsed <= bound_s, \
+        f"gateway {gateway_site} saw {site} {signal} after {elapsed:.1f} s > {bound_s} s"
     return elapsed
 
 

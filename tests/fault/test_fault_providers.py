@@ -83,5 +83,5 @@ def test_a_flapping_provider_gets_no_request_while_not_ready_beyond_one_poll(mak
         time.sleep(2)
     assert load.wrong() == [], load.wrong()[:3]
     assert {o.status for o in load.outcomes} == {200}
-    print(f"flapping: {flips} flips every 2 s, {retried:.0f} refusals retried on b; {windows} not-ready "
-          f"windows with no request reaching pool-a; {len(load.outcomes)} requests, all 200")
+    print(f"flapping: {flips} flips every 2 s, {retried:.0f} refusals retried on b; {windows} "
+          f"not-ready windows with no request reaching pool-a; {len(load.outcomes)} requests, all 200")

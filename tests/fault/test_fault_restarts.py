@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -50,9 +51,11 @@ def test_operator_sigkill_and_restart_under_load(make_grid):
                    "gateway a back on its operator")
         # Sample b's view for a while: the epoch never goes back (no batch of the old epoch,
         # delayed in a poll under way at the kill, is admitted after the new one).
-        seen = []
+        seen: list[int] = []
         for _ in range(6):
-            seen.append(epoch_of(grid, "b", "a"))
+            epoch = epoch_of(grid, "b", "a")
+            assert epoch is not None, seen
+            seen.append(epoch)
             time.sleep(0.5)
         assert seen == sorted(seen) and seen[0] == after, seen
         drops_b = total(grid.metrics("b"), "grid_signals_ingest_dropped_total", reason="skew")
@@ -62,10 +65,14 @@ def test_operator_sigkill_and_restart_under_load(make_grid):
           f"{len(load_a.outcomes)} + {len(load_b.outcomes)} requests, none failed")
 
 
+def gateway_b_skew_drops(grid) -> float:
+    return total(grid.metrics("b", "gw"), "grid_signals_ingest_dropped_total", reason="skew")
+
+
 def rejected_count(grid) -> tuple[str, int]:
     """(status, skew drops) of gateway b's GatewayAgesRejected condition at operator b."""
-    [cond] = [c for c in grid.status("op-b")["role_status"]["gateway_feedback"]["conditions"]
-              if c["replica"] == "g1"]
+    conditions = grid.status("op-b")["role_status"]["gateway_feedback"]["conditions"]
+    [cond] = [c for c in conditions if c["replica"] == "g1"]
     m = re.search(r"rejected (\d+) batch", cond["message"])
     return cond["status"], int(m.group(1)) if m else 0
 
@@ -90,8 +97,7 @@ def test_gateway_clock_11_minutes_behind_through_a_sighup_storm(make_grid):
     at the 1 s poll)."""
     storm_s = 30.0 if LONG else 10.0
     with make_grid(env={"gw-b": {"GRIDD_WALL_CLOCK_OFFSET_S": "-660"}}, converge=("a",)) as grid:
-        wait_until(lambda: total(grid.metrics("b", "gw"), "grid_signals_ingest_dropped_total",
-                                 reason="skew") >= 3,
+        wait_until(lambda: gateway_b_skew_drops(grid) >= 3,
                    "gateway b dropping its operator's batches as skew")
         status, count = wait_until(lambda: (r := rejected_count(grid))[0] == "True" and r,
                                    "GatewayAgesRejected raised at operator b")
@@ -127,22 +133,29 @@ def test_gateway_clock_11_minutes_behind_through_a_sighup_storm(make_grid):
         wait_until(lambda: grid.get("b", "http://127.0.0.1:8080/readyz").status_code == 200,
                    "gateway b ready")
         assert grid.candidates("b")["b"]["signal"] == "fresh"
-    print(f"skew: {counts[0]} -> {counts[-1]} rejected batches reported through {sent} SIGHUPs in "
-          f"{storm_s:.0f} s; cleared {cleared_after:.1f} s after the fixed gateway started")
+    print(f"skew: {counts[0]} -> {counts[-1]} rejected batches reported through {sent} SIGHUPs "
+          f"in {storm_s:.0f} s; cleared {cleared_after:.1f} s after the fixed gateway started")
 
 
-def reissue_leaves(certs, days: int) -> None:
-    """`gridd certs issue` again for every host, into the running grid's certs directory
-    (key then certificate, each by atomic rename)."""
+def reissue_leaves(grid_dir, days: int) -> None:
+    """`gridd certs issue` again for every host, into a copy of the grid's certificates, then
+    the `certs` symlink switched to the copy by one atomic rename (how a mounted secret is
+    updated). Written in place, a key and its certificate are two renames: a reload between
+    them reads a new key with the old certificate and is rejected (seen under load)."""
     from contextlib import redirect_stdout
 
     import gridd.certs
 
+    live = grid_dir / "certs"
+    new = grid_dir / f"certs.{time.monotonic_ns()}"
+    shutil.copytree(live.resolve(), new)
     with redirect_stdout(None):
         for site in SITES:
             for role in (["--role", "operator"], ["--role", "gateway", "--replica", "g1"]):
-                assert gridd.certs.main(["issue", str(certs), "--site", site, *role, "--days",
-                                         str(days)]) == 0
+                args = ["issue", str(new), "--site", site, *role, "--days", str(days)]
+                assert gridd.certs.main(args) == 0
+    os.symlink(new.name, grid_dir / "certs.next")
+    os.replace(grid_dir / "certs.next", live)
 
 
 def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(make_grid):
@@ -151,13 +164,14 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
     No request fails; every reload commits; the operators serve the new certificate and
     every link is up on it."""
     storm_s = 30.0 if LONG else 10.0
-    with make_grid() as grid, Load(grid, "a", workers=3) as load_a, Load(grid, "b", workers=3) as load_b:
+    with make_grid() as grid, Load(grid, "a", workers=3) as load_a, \
+            Load(grid, "b", workers=3) as load_b:
         names = [f"{kind}-{site}" for kind in ("op", "gw") for site in SITES]
         old_not_after = {site: grid.status(f"op-{site}")["role_status"]["signals"]["tls_not_after"]
                          for site in SITES}
         sent = hup_storm(grid, names, storm_s / 2)
         rotated = time.monotonic()
-        reissue_leaves(grid.dir / "certs", days=30)
+        reissue_leaves(grid.dir, days=30)
         sent += hup_storm(grid, names, storm_s / 2)
         for site in SITES:
             new = wait_until(lambda site=site: (n := grid.status(f"op-{site}")["role_status"]["signals"][
@@ -172,9 +186,9 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
         # The links came back up on the new certificates: fresh readings keep arriving.
         rejoined = time.monotonic()
         for site in SITES:
-            wait_until(lambda site=site: all(
-                c["signal"] == "fresh" and c["age_s"] < time.monotonic() - rejoined + 2
-                for c in grid.candidates(site).values()),
+            wait_until(lambda site=site: all(c["signal"] == "fresh"
+                                             and c["age_s"] < time.monotonic() - rejoined + 2
+                                             for c in grid.candidates(site).values()),
                        f"gateway {site} fresh after the rotation")
             assert grid.status(f"op-{site}")["role_status"]["peers"][0]["state"] == "up"
         time.sleep(1)
@@ -182,8 +196,8 @@ def test_certificate_rotation_on_every_host_during_a_sighup_storm_under_load(mak
         assert load.wrong() == [], load.wrong()[:3]
         assert {o.status for o in load.outcomes} == {200}
         assert len(load.since(rotated)) >= 10
-    print(f"rotation: {sent} SIGHUPs over {storm_s:.0f} s, {len(load_a.outcomes) + len(load_b.outcomes)} "
-          f"requests, all 200")
+    print(f"rotation: {sent} SIGHUPs over {storm_s:.0f} s, "
+          f"{len(load_a.outcomes) + len(load_b.outcomes)} requests, all 200")
 
 
 def test_a_gateway_dropping_every_batch_as_skew_answers_503_not_404(make_grid):
@@ -191,8 +205,7 @@ def test_a_gateway_dropping_every_batch_as_skew_answers_503_not_404(make_grid):
     whose clock is 11 minutes behind drops every batch its operator relays (skew), so it
     holds no candidate: it has no routing data, whatever its polls return."""
     with make_grid(env={"gw-b": {"GRIDD_WALL_CLOCK_OFFSET_S": "-660"}}, converge=("a",)) as grid:
-        wait_until(lambda: total(grid.metrics("b", "gw"), "grid_signals_ingest_dropped_total",
-                                 reason="skew") >= 3,
+        wait_until(lambda: gateway_b_skew_drops(grid) >= 3,
                    "gateway b dropping its operator's batches as skew")
         assert grid.candidates("b") == {}
         with Load(grid, "b", workers=1) as load_b, Load(grid, "a", workers=2) as load_a:
