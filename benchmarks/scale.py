@@ -207,14 +207,16 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
     from prometheus_client import CollectorRegistry
 
     from gridd.config import load_config
-    from gridd.operator.scrape import make_scrape_client
+    from gridd.operator.http1 import ScrapeClient
+    from gridd.operator.scrape import Client, make_client, make_scrape_client
     from gridd.operator.service import OperatorService
 
     loaded = load_config(config_path, env={})
-    # "lean": the scrape path's own keep-alive client (gridd.operator.http1); "httpx": the
-    # service's default httpx client (make_client), kept as the same-run baseline.
-    client = make_scrape_client() if client_kind == "lean" else None
-    operator = OperatorService(loaded, CollectorRegistry(), client=client)  # type: ignore[arg-type]  # the lean client
+    # "lean": the scrape path's own keep-alive client (gridd.operator.http1), the daemon's
+    # default; "httpx": the httpx client it used before (make_client), the same-run baseline.
+    client: Client = (make_scrape_client() if client_kind == "lean"
+                      else make_client(loaded.config.timings.scrape_concurrency))
+    operator = OperatorService(loaded, CollectorRegistry(), client=client)
     marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
     done = trio.Event()
     publish_probe_only = operator._publish_probe_only
@@ -256,7 +258,7 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
         "passes": len(measured) - 1,
         "failing": failing,
         "max_in_flight": operator.pool.max_in_flight_seen if operator.pool else 0,
-        "connections_opened": client.connections_opened if client is not None else None,
+        "connections_opened": client.connections_opened if isinstance(client, ScrapeClient) else None,
     }
 
 
