@@ -216,21 +216,16 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
     # default; "httpx": the httpx client it used before (make_client), the same-run baseline.
     client: Client = (make_scrape_client() if client_kind == "lean"
                       else make_client(loaded.config.timings.scrape_concurrency))
-    operator = OperatorService(loaded, CollectorRegistry(), client=client)
     marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
     done = trio.Event()
-    publish_probe_only = operator._publish_probe_only
 
     def on_pass(started: float, duration: float) -> None:
-        publish_probe_only(started, duration)
         times = os.times()
         marks.append((time.process_time(), time.monotonic(), duration, rss_mb(), times.system))
         if len(marks) > WARMUP_PASSES + passes:
             done.set()
 
-    # The pool reads this attribute when run() builds it: the pass hook the daemon uses,
-    # plus a mark per pass end.
-    operator._publish_probe_only = on_pass
+    operator = OperatorService(loaded, CollectorRegistry(), client=client, pass_observer=on_pass)
     rss_before = rss_mb()
     async with trio.open_nursery() as nursery:
         await nursery.start(operator.run)

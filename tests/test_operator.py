@@ -388,3 +388,22 @@ def test_scrape_target_sends_the_providers_key_to_its_own_origin_only():
     epp_auth = {"scheme": "bearer", "api_key": "epp-token"}
     assert target({"url": "http://127.0.0.1:9090/metrics", "auth": epp_auth}) == {
         "authorization": "Bearer epp-token"}
+
+
+async def test_the_pass_observer_hears_each_pass_after_its_work(tmp_path, autojump_clock):
+    rig = SimOperator(tmp_path, endpoints=2)
+    heard: list[tuple[float, bool]] = []
+
+    def observer(started: float, duration: float) -> None:
+        # Told after the pass's scrapes were handed on: the reading of this pass is held.
+        heard.append((started, rig.latest() is not None))
+
+    operator = OperatorService(rig.loaded, CollectorRegistry(), client=rig.client,
+                               wall=lambda: 1_800_000_000 + trio.current_time(), pass_observer=observer)
+    rig.operator = operator
+    async with trio.open_nursery() as nursery:
+        await nursery.start(operator.run)
+        origin = trio.current_time()
+        await trio.sleep_until(origin + 2.5)
+        nursery.cancel_scope.cancel()
+    assert heard == [(origin, True), (origin + 1.0, True), (origin + 2.0, True)]

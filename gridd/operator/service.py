@@ -109,6 +109,7 @@ class OperatorService:
         rng: random.Random | None = None,
         open_peer_link: Callable[[PeerConfig], AbstractAsyncContextManager[PollLink]] | None = None,
         probe_client: httpx.AsyncClient | None = None,
+        pass_observer: Callable[[float, float], None] | None = None,
         probe_io: RunIO = trio.to_thread.run_sync,
         state_io: RunIO = trio.to_thread.run_sync,
     ) -> None:
@@ -118,6 +119,9 @@ class OperatorService:
         self.registry = registry
         self.wall = wall
         self._client = client
+        # Told (start, duration) after each scrape pass, once the pass's own work is done
+        # (benchmarks/scale.py marks its CPU samples with it).
+        self._pass_observer = pass_observer
         self._probe_client = probe_client
         self.state = StateDir(loaded.resolve(loaded.config.state_dir))
         self.holdings = Holdings()
@@ -232,7 +236,7 @@ class OperatorService:
             await clients.enter_async_context(probe_client)
             self.pool = ScrapePool(client, concurrency=timings.scrape_concurrency,
                                    body_cap=timings.body_cap_bytes, on_result=self._on_scrape,
-                                   on_pass=self._publish_probe_only)
+                                   on_pass=self._pass_done)
             await nursery.start(self.pool.run, lambda: self.config.timings.scrape_interval_s,
                                 self._targets, name="scrape-pool")
             await nursery.start(self.probes.run, probe_client, self.config.providers, name="probe-runner")
@@ -369,6 +373,11 @@ class OperatorService:
             else:
                 log.info("provider %s: every field of the reading is valid again", result.provider)
         self.holdings.hold(batch, result.finished_at)
+
+    def _pass_done(self, started: float, duration: float) -> None:
+        self._publish_probe_only(started, duration)
+        if self._pass_observer is not None:
+            self._pass_observer(started, duration)
 
     def _publish_probe_only(self, started: float, duration: float) -> None:
         """After each scrape pass (so every scrape interval): one batch per probe-only
