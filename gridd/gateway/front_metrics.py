@@ -10,6 +10,8 @@ from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from gridd.metrics_app import labelled_counter
+
 __all__ = ["LATENCY_BUCKETS", "NO_SITE", "OTHER_MODEL", "FrontMetrics", "LatencyHistogram"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -90,29 +92,18 @@ class FrontMetrics:
         hist.observe(seconds)
 
     def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
+        yield labelled_counter(
             "gridd_gateway_requests", "Inference requests answered by this gateway's front, by outcome.",
-            labels=["model", "site", "outcome"])
-        for (model, site, outcome), value in list(self.requests.items()):
-            requests.add_metric([model, site, outcome], value)
-        yield requests
-        retries = CounterMetricFamily(
+            ["model", "site", "outcome"], list(self.requests.items()))
+        yield labelled_counter(
             "gridd_gateway_retries", "Requests sent to a second candidate after the first failed before "
-            "any byte reached the client, by the first failure's reason.", labels=["reason"])
-        for reason, value in list(self.retries.items()):
-            retries.add_metric([reason], value)
-        yield retries
-        sheds = CounterMetricFamily("gridd_gateway_sheds", "Requests answered 429 because the model sheds.",
-                                    labels=["model"])
-        for model, value in list(self.sheds.items()):
-            sheds.add_metric([model], value)
-        yield sheds
-        unavailable = CounterMetricFamily(
+            "any byte reached the client, by the first failure's reason.", ["reason"],
+            list(self.retries.items()))
+        yield labelled_counter("gridd_gateway_sheds", "Requests answered 429 because the model sheds.",
+                               ["model"], list(self.sheds.items()))
+        yield labelled_counter(
             "gridd_gateway_unavailable", "Requests answered 503 because no candidate of the model can serve.",
-            labels=["model"])
-        for model, value in list(self.unavailable.items()):
-            unavailable.add_metric([model], value)
-        yield unavailable
+            ["model"], list(self.unavailable.items()))
         opened = CounterMetricFamily(
             "gridd_gateway_upstream_connections_opened",
             "Connections opened to upstreams (providers, or other "

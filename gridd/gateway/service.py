@@ -47,6 +47,7 @@ from gridd.link.dial import ExpectedPeer, open_channel_dialer, parse_channel_url
 from gridd.link.poller import LinkLines, PollAnswer, Poller, PollLink
 from gridd.link.session import ChannelError
 from gridd.link.supervisor import TaskSupervisor
+from gridd.metrics_app import labelled_counter
 from gridd.reload_plan import plan_reload
 from gridd.tls import TLSMaterial, check_tls_material
 from gridd.wire import PROTOCOL_VERSION, FeedbackAck, Poll
@@ -152,16 +153,10 @@ class GatewayCollector(Collector):
 
     def collect(self):
         svc = self.service
-        drops = CounterMetricFamily("grid_signals_ingest_dropped", "Batches not admitted, by reason.",
-                                    labels=["reason"])
-        for reason, count in sorted(svc.store.fences.drops().items()):
-            drops.add_metric([reason], count)
-        yield drops
-        polls = CounterMetricFamily("grid_gateway_polls", "Polls of the local operator by result.",
-                                    labels=["result"])
-        for result, count in sorted(svc.poll_results.items()):
-            polls.add_metric([result], count)
-        yield polls
+        yield labelled_counter("grid_signals_ingest_dropped", "Batches not admitted, by reason.",
+                               ["reason"], sorted(svc.store.fences.drops().items()))
+        yield labelled_counter("grid_gateway_polls", "Polls of the local operator by result.",
+                               ["result"], sorted(svc.poll_results.items()))
         now = trio.current_time()
         labels = ["grid_site", "grid_provider", "model"]
         rho = GaugeMetricFamily("grid_gateway_candidate_rho", "Recent worst saturation of a candidate.",

@@ -17,6 +17,7 @@ from gridd.core.admission import DropReason
 from gridd.core.holdings import Holdings
 from gridd.core.publication import ProviderPublisher
 from gridd.core.readiness import Verdict
+from gridd.metrics_app import labelled_counter
 
 LABELS = ["grid_site", "grid_provider"]
 
@@ -144,11 +145,8 @@ class ProviderCollector(Collector):
                                     "Duration of the latest scrape pass (it waits for its slowest scrape).",
                                     value=last)
         if self.ingest_drops is not None:
-            drops = CounterMetricFamily("grid_signals_ingest_dropped", "Batches not admitted, by reason.",
-                                        labels=["reason"])
-            for reason, count in sorted(self.ingest_drops().items()):
-                drops.add_metric([reason], count)
-            yield drops
+            yield labelled_counter("grid_signals_ingest_dropped", "Batches not admitted, by reason.",
+                                   ["reason"], sorted(self.ingest_drops().items()))
 
 
 PROBE_LABELS = ["grid_site", "grid_provider", "probe"]
