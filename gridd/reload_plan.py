@@ -11,8 +11,9 @@ the process. Those are refused, and the running config keeps serving:
     both roles    listen.http                  the front / providers API listener is bound at start
     gateway       listen.http_reuse_port       a socket option of that listener
     both roles    limits.http_*                the listener's connection and body bounds
-    operator      timings.scrape_concurrency   the scrape pool's HTTP pool is sized to its limiter
-                                               at start (it must never be the smaller)
+    operator      timings.scrape_concurrency   the scrape pool's limiter, the probes' limiter and
+                                               the probes' HTTP pool are sized to it at start (the
+                                               pool must never be the smaller)
     operator      listen.signals               the signals server is bound at start
     operator      tls added or removed         the signals server and peer pollers exist or not
 
