@@ -211,7 +211,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transports and shells", (
         "gridd.link", "gridd.http", "gridd.tls", "gridd.certs", "gridd.state", "gridd.config",
         "gridd.config_schema", "gridd.config_rules", "gridd.credentials", "gridd.reload_plan",
-        "gridd.clock", "gridd.log", "gridd.notify", "gridd.control", "gridd.metrics_app")),
+        "gridd.clock", "gridd.log", "gridd.notify", "gridd.control", "gridd.metrics_app",
+        "gridd.childprocs")),
     ("roles", ("gridd.operator", "gridd.gateway", "gridd.api", "gridd.probes", "gridd.sim",
                "gridd.roles")),
     ("entry points", ("gridd",)),
