@@ -114,6 +114,7 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
     except ImportError:  # --src of a checkout from before the forwarding client (issue 13)
         try:
             from gridd.gateway.upstream_transport import make_upstream_transport
+
             from gridd.http.serve import serve_asgi
         except ImportError:  # --src of a checkout from before the modules were split (issue 17)
             from gridd.gateway.forward import make_upstream_transport

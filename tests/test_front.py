@@ -72,7 +72,8 @@ class Front:
 
 
 async def start_front(nursery, router: FakeRouter, *, limits: FrontLimits | None = None,
-                      ingress_verify: ssl.SSLContext | None = None, upstream: UpstreamClient | None = None) -> Front:
+                      ingress_verify: ssl.SSLContext | None = None,
+                      upstream: UpstreamClient | None = None) -> Front:
     limits = limits if limits is not None else FrontLimits()
     registry = CollectorRegistry()
     transport = upstream if upstream is not None else make_upstream_client()
