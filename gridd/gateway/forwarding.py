@@ -39,9 +39,6 @@ logger = logging.getLogger("gridd.gateway.front")
 SERVED_BY = b"x-gridd-served-by"
 SSE_DONE = b"data: [DONE]\n\n"
 """The last event of an OpenAI-compatible stream."""
-# Closing an upstream response is shielded from cancellation (a client that left must still
-# free the backend) and bounded by this.
-_CLOSE_S = 1.0
 _TARGET_CACHE_SIZE = 1024
 
 
@@ -228,9 +225,9 @@ class Forwarder:
             return
         finally:
             if upstream is not None:
-                # Shielded: a client that left must still free the backend's sequence.
-                with trio.CancelScope(shield=True, deadline=trio.current_time() + _CLOSE_S):
-                    await upstream.aclose()
+                # A client that left must still free the backend's sequence: an answer's aclose
+                # is never cut short by this task's cancellation (UpstreamAnswer).
+                await upstream.aclose()
         if finished:
             exchange.outcome = "ok" if status < 400 else "upstream_4xx"
             return

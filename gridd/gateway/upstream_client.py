@@ -197,7 +197,9 @@ class _Answer:
         await deliver(parser.take_body(), True)
 
     async def aclose(self) -> None:
-        """Back to the pool after a complete exchange, else closed (the upstream sees EOF)."""
+        """Back to the pool after a complete exchange, else closed (the upstream sees EOF).
+        Never cut short by cancellation: a plain socket closes without a checkpoint, a TLS one
+        within a shielded _CLOSE_S."""
         if self._closed:
             return
         self._closed = True

@@ -12,11 +12,15 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, cast
 
 import httpx
+import trio
 
 from gridd.gateway.upstream_errors import broke_mid_body, failed_before_answer
 from gridd.gateway.upstream_request import Deliver, Upstream, UpstreamTarget, request_headers
 
-__all__ = ["CONNECTED_EVENT", "HttpxUpstream", "as_upstream"]
+__all__ = ["CLOSE_S", "CONNECTED_EVENT", "HttpxUpstream", "as_upstream"]
+
+CLOSE_S = 1.0
+"""Bound on closing an answer (shielded from cancellation)."""
 
 CONNECTED_EVENT = "http11.send_request_headers.started"
 """The httpx trace event that says a connection is ready and the request is going out (a
@@ -50,10 +54,12 @@ class _HttpxAnswer:
         await deliver(b"", True)
 
     async def aclose(self) -> None:
-        try:
-            await self._chunks.aclose()
-        finally:
-            await self._response.aclose()
+        # Shielded and bounded (UpstreamAnswer): a client that left must still free the backend.
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_S):
+            try:
+                await self._chunks.aclose()
+            finally:
+                await self._response.aclose()
 
 
 class HttpxUpstream:

@@ -45,7 +45,8 @@ Deliver = Callable[[bytes, bool], Awaitable[None]]
 class UpstreamAnswer(Protocol):
     """An upstream response whose head is in: its status and header fields (raw), its body
     relayed with ``relay(deliver)``; closed with ``aclose`` (an unfinished one closes its
-    connection, so the upstream sees EOF)."""
+    connection, so the upstream sees EOF). ``aclose`` finishes even in a cancelled task: where
+    closing does IO it is shielded and bounded (1 s), so a client that left frees the backend."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
