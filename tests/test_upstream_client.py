@@ -401,3 +401,28 @@ async def test_max_idle_per_origin_and_expiry_from_the_servers_last_bytes(nurser
     finally:
         await client.aclose()
     assert client.idle_count() == 0
+
+
+async def test_an_answer_sent_before_the_request_was_taken_whole_is_still_read(nursery):
+    # The upstream answers 413 after the head and closes without reading the 8 MiB body: the
+    # send fails, and the answer that arrived is what the client gets (as httpcore read it).
+    async def rejects_early(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 413 Too Large\r\nconnection: close\r\ncontent-length: 3\r\n\r\nbig")
+        await stream.aclose()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, rejects_early, 0, host="127.0.0.1"))
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    async with make_upstream_client() as client:
+        with trio.fail_after(BOUND_S):
+            answer = await client.open(target_for(url), JSON, b"x" * (8 << 20), lambda: None)
+            calls = []
+
+            async def keep(data: bytes, last: bool) -> None:
+                calls.append((data, last))
+
+            await answer.relay(keep)
+            await answer.aclose()
+        assert (answer.status, calls, client.idle_count()) == (413, [(b"big", True)], 0)

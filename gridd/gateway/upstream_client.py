@@ -157,10 +157,11 @@ class _Connection:
 class _Answer:
     """An open response: its head, and its body relayed as it arrives (UpstreamAnswer)."""
 
-    __slots__ = ("status", "headers", "_url", "_client", "_origin", "_connection", "_parser", "_closed")
+    __slots__ = ("status", "headers", "_url", "_client", "_origin", "_connection", "_parser", "_reusable",
+                 "_closed")
 
     def __init__(self, url: httpx.URL, client: UpstreamClient, origin: Origin, connection: _Connection,
-                 parser: ResponseParser) -> None:
+                 parser: ResponseParser, *, reusable: bool) -> None:
         self.status = parser.status
         self.headers = parser.headers
         self._url = url
@@ -168,6 +169,8 @@ class _Answer:
         self._origin = origin
         self._connection = connection
         self._parser = parser
+        self._reusable = reusable
+        """False when the request did not go out whole: the connection is out of step."""
         self._closed = False
 
     async def relay(self, deliver: Deliver) -> None:
@@ -203,7 +206,7 @@ class _Answer:
         if self._closed:
             return
         self._closed = True
-        await self._client._release(self._origin, self._connection, self._parser.reusable)
+        await self._client._release(self._origin, self._connection, self._reusable and self._parser.reusable)
 
 
 class UpstreamClient:
@@ -253,9 +256,15 @@ class UpstreamClient:
         self.requests += 1
         on_connected()
         parser = ResponseParser()
+        unsent: BaseException | None = None
         try:
             try:
-                await connection.send_all(request)
+                try:
+                    await connection.send_all(request)
+                except _WRITE_ERRORS as exc:
+                    # The upstream may have answered before taking the whole request (a 413,
+                    # say) and closed: what it sent is still read, as httpx read it.
+                    unsent = exc
                 received = await connection.receive(wait_first=True)
                 while True:
                     if received:
@@ -265,15 +274,15 @@ class UpstreamClient:
                     if parser.status:
                         break
                     received = await connection.receive(wait_first=False)
-            except (*_WRITE_ERRORS, MalformedResponse) as exc:
+            except _READ_ERRORS as exc:
                 # Nothing of an answer reached the client: the next candidate may serve (a dead
                 # upstream, or a pooled connection the server closed as it was reused).
-                raise UpstreamError(f"{target.url} dropped the request before answering: {exc!r}",
+                raise UpstreamError(f"{target.url} dropped the request before answering: {unsent or exc!r}",
                                     reason="dropped", retryable=True) from exc
         except BaseException:
             await connection.aclose()
             raise
-        return _Answer(target.url, self, origin, connection, parser)
+        return _Answer(target.url, self, origin, connection, parser, reusable=unsent is None)
 
     async def _acquire(self, origin: Origin, url: httpx.URL) -> _Connection:
         stack = self._idle.get(origin)
