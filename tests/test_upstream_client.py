@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import ssl
 
+import h11
 import pytest
 import trio
 import trio.testing
@@ -98,6 +99,44 @@ def test_any_chunking_and_any_split_relay_the_same_body(chunks, data):
     pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)], strict=True)]
     parser, got = parse(*pieces)
     assert got == b"".join(chunks) and parser.done and parser.reusable
+
+
+def h11_read(answer: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """What h11 (the parser under httpx) reads from ``answer`` as a client after a POST."""
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(answer)
+    status, headers, body = 0, [], b""
+    while True:
+        event = client.next_event()
+        if isinstance(event, h11.Response):
+            status, headers = event.status_code, [(n.lower(), v) for n, v in event.headers.raw_items()]
+        elif isinstance(event, h11.Data):
+            body += bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage) or event is h11.NEED_DATA:
+            return status, headers, body
+
+
+_NAMES = st.sampled_from([b"content-type", b"X-Request-Id", b"cache-control", b"set-cookie", b"server"])
+_VALUES = st.from_regex(rb"\A[!-~]([ !-~]{0,20}[!-~])?\Z")
+
+
+@given(st.sampled_from([200, 201, 400, 404, 429, 500, 503]), st.lists(st.tuples(_NAMES, _VALUES), max_size=5),
+       st.lists(st.binary(max_size=64), max_size=6), st.booleans(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_the_parser_reads_what_h11_reads(status, fields, pieces, chunked, data):
+    server = h11.Connection(h11.SERVER)
+    server.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    server.next_event()
+    server.next_event()
+    framing = [(b"transfer-encoding", b"chunked")] if chunked else [
+        (b"content-length", b"%d" % sum(map(len, pieces)))]
+    answer = server.send(h11.Response(status_code=status, headers=fields + framing))
+    answer += b"".join(server.send(h11.Data(data=p)) for p in pieces if p) + server.send(h11.EndOfMessage())
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(answer)), max_size=6)))
+    parser, body = parse(*[answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)], strict=True)])
+    assert parser.done and (parser.status, parser.headers, body) == h11_read(answer)
 
 
 MALFORMED = [
