@@ -6,7 +6,10 @@ idle bound on a MockClock, TLS with trustme certificates, cancellation)."""
 from __future__ import annotations
 
 import functools
+import socket
 import ssl
+import threading
+import time
 
 import h11
 import pytest
@@ -465,3 +468,33 @@ async def test_an_answer_sent_before_the_request_was_taken_whole_is_still_read(n
             await answer.relay(keep)
             await answer.aclose()
         assert (answer.status, calls, client.idle_count()) == (413, [(b"big", True)], 0)
+
+
+async def test_an_upstream_flooding_interim_responses_cannot_hold_the_event_loop(nursery):
+    # A thread floods 1xx heads faster than they are parsed, so a read always finds bytes: the
+    # head loop still checkpoints, and the caller's bound ends the wait on time (a loop that
+    # never yields would run until the flood stops, 5 s later, with every other task stalled).
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def flood() -> None:
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(65536)
+            interim = b"HTTP/1.1 100 Continue\r\n\r\n" * 2000
+            stop = time.monotonic() + 5.0
+            try:
+                while time.monotonic() < stop:
+                    connection.sendall(interim)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    async with make_upstream_client() as client:
+        started = time.monotonic()
+        with trio.move_on_after(0.3) as bound:
+            await client.open(target_for(f"http://127.0.0.1:{port}"), JSON, b"{}", lambda: None)
+        assert bound.cancelled_caught and time.monotonic() - started < 1.0
+    thread.join(6.0)
+    server.close()

@@ -185,8 +185,10 @@ class _Answer:
             while not parser.done:
                 data = parser.take_body()
                 if data:
-                    await deliver(data, False)
-                received = await connection.receive(wait_first=False)
+                    await deliver(data, False)  # a checkpoint: the client's send
+                # After a read that brought no body (framing only), wait before reading again:
+                # a checkpoint, so no upstream can keep this loop from yielding.
+                received = await connection.receive(wait_first=not data)
                 if received:
                     parser.feed(received)
                 else:
@@ -273,7 +275,7 @@ class UpstreamClient:
                         parser.feed_eof()
                     if parser.status:
                         break
-                    received = await connection.receive(wait_first=False)
+                    received = await connection.receive(wait_first=True)  # 1xx or a split head
             except _READ_ERRORS as exc:
                 # Nothing of an answer reached the client: the next candidate may serve (a dead
                 # upstream, or a pooled connection the server closed as it was reused).
