@@ -49,7 +49,8 @@ from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
     run_phase,
 )
 
-from gridd.childprocs import stop_processes
+# gridd is imported inside the functions, never at module level: a child (--serve) must
+# import it from --src, which it can only do if no gridd module was loaded before.
 
 CHILD_START_CAP_S = 20.0
 MODEL = "sim-model"
@@ -101,7 +102,13 @@ class StaticRouter:
 
 def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs: str | None,
               bind: str | None = None) -> None:
+    if any(name == "gridd" or name.startswith("gridd.") for name in sys.modules):
+        raise RuntimeError("gridd was imported before --src was put on the path")
     sys.path.insert(0, src)
+    import gridd
+
+    if os.path.dirname(os.path.abspath(gridd.__file__)) != os.path.join(src, "gridd"):
+        raise RuntimeError(f"gridd imported from {gridd.__file__}, not from --src {src}")
     from prometheus_client import CollectorRegistry
 
     from gridd.gateway.front import make_front_app
@@ -109,11 +116,16 @@ def run_child(role: str, upstreams: list[str], cpu: int | None, src: str, knobs:
     from gridd.sim.app import SimApp
 
     try:
-        from gridd.gateway.upstream_transport import make_upstream_transport
+        from gridd.gateway.upstream_client import make_upstream_client as make_upstream_transport
         from gridd.http.serve import serve_asgi
-    except ImportError:  # --src of a checkout from before the modules were split (issue 17)
-        from gridd.gateway.forward import make_upstream_transport
-        from gridd.httpserver import serve_asgi
+    except ImportError:  # --src of a checkout from before the forwarding client (issue 13)
+        try:
+            from gridd.gateway.upstream_transport import make_upstream_transport
+
+            from gridd.http.serve import serve_asgi
+        except ImportError:  # --src of a checkout from before the modules were split (issue 17)
+            from gridd.gateway.forward import make_upstream_transport
+            from gridd.httpserver import serve_asgi
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -155,6 +167,8 @@ def start_child(role: str, cpu: int | None, src: str, upstreams: tuple[str, ...]
         args += ["--knobs", json.dumps(knobs)]
     if cpu is not None:
         args += ["--cpu", str(cpu)]
+    from gridd.childprocs import stop_processes
+
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
     if not ready:
@@ -218,6 +232,7 @@ def main() -> None:
     if args.serve:
         run_child(args.serve, args.upstream, args.cpu, args.src, args.knobs, args.bind)
         return
+    from gridd.childprocs import stop_processes
 
     cpus = sorted(os.sched_getaffinity(0))
     load_cpu = cpus[0] if len(cpus) >= 2 else None

@@ -31,9 +31,8 @@ from gridd.gateway.front import make_front_app
 from gridd.gateway.front_errors import retry_after_seconds
 from gridd.gateway.front_limits import FrontLimits
 from gridd.gateway.pin import PIN_HEADER
-from gridd.gateway.upstream_body import UpstreamBody
-from gridd.gateway.upstream_request import open_upstream, request_headers, response_headers, upstream_target
-from gridd.gateway.upstream_transport import make_upstream_transport
+from gridd.gateway.upstream_client import UpstreamClient, make_upstream_client
+from gridd.gateway.upstream_request import request_headers, response_headers, upstream_target
 from gridd.http.serve import serve_asgi
 from gridd.sim.app import SimApp, start_sim
 from gridd.sim.model import knobs_from
@@ -73,11 +72,12 @@ class Front:
 
 
 async def start_front(nursery, router: FakeRouter, *, limits: FrontLimits | None = None,
-                      ingress_verify: ssl.SSLContext | None = None) -> Front:
+                      ingress_verify: ssl.SSLContext | None = None,
+                      upstream: UpstreamClient | None = None) -> Front:
     limits = limits if limits is not None else FrontLimits()
     registry = CollectorRegistry()
-    transport = make_upstream_transport()
-    ingress = make_upstream_transport(verify=ingress_verify) if ingress_verify is not None else None
+    transport = upstream if upstream is not None else make_upstream_client()
+    ingress = make_upstream_client(verify=ingress_verify) if ingress_verify is not None else None
     app = make_front_app(router, transport, registry, rng=random.Random(SEED), limits=limits,
                          ingress_transport=ingress, created_unix=1_700_000_000)
 
@@ -569,11 +569,14 @@ async def test_non_streamed_client_disconnect_frees_the_sequence(nursery):
 
 async def test_upstream_closing_an_idle_pooled_connection_is_not_an_error(nursery):
     # The upstream drops keep-alive connections idle for 0.2 s; the pool must notice (the socket
-    # reads as closed) and open a new one rather than fail or spend the retry.
+    # reads as closed) and open a new one rather than fail or spend the retry. The pool polls a
+    # connection idle for longer than unchecked_idle_s (1 s in the daemon; 0.1 s here, so that
+    # the test need not wait seconds: tests/test_upstream_client.py asserts the bound itself).
     app = SimApp(knobs_from({"ttft_s": 0.0, "tpot_s": 0.0, "max_tokens": 2}))
     url = (await nursery.start(lambda task_status: serve_asgi(app, ["127.0.0.1:0"], keep_alive_s=0.2,
                                                               task_status=task_status)))[0]
-    front = await start_front(nursery, FakeRouter("a", always(local("a", "p", url))))
+    upstream = UpstreamClient(ssl_context=None, max_idle=16, keepalive_expiry_s=4.0, unchecked_idle_s=0.1)
+    front = await start_front(nursery, FakeRouter("a", always(local("a", "p", url))), upstream=upstream)
     async with httpx.AsyncClient(timeout=5.0) as client:
         for _ in range(3):
             r = await client.post(f"{front.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
@@ -597,26 +600,32 @@ async def test_connect_failure_is_retried_once_on_the_next_candidate(nursery):
     assert front.requests("ok", site="a") == 1
 
 
-class ConnectsLate(httpx.AsyncBaseTransport):
+class ConnectsLate:
     """Requests to ``late_url`` get their connection only after the front's connect bound has
     passed, and the task does not get to a checkpoint meanwhile (a starved event loop: the
-    shielded sleep); then the trace says the request is going out, and no answer ever comes.
-    Everything else goes to ``inner``."""
+    shielded sleep); then the request is going out, and no answer ever comes. Everything else
+    goes to ``inner``."""
 
-    def __init__(self, late_url: str, inner: httpx.AsyncBaseTransport, late_s: float) -> None:
+    def __init__(self, late_url: str, inner: UpstreamClient, late_s: float) -> None:
         self.late_url, self.inner, self.late_s = late_url, inner, late_s
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if not str(request.url).startswith(self.late_url):
-            return await self.inner.handle_async_request(request)
+    async def open(self, target, client_headers, body, on_connected):
+        if not str(target.url).startswith(self.late_url):
+            return await self.inner.open(target, client_headers, body, on_connected)
         with trio.CancelScope(shield=True):
             await trio.sleep(self.late_s)
-        await request.extensions["trace"]("http11.send_request_headers.started", {})
+        on_connected()
         await trio.sleep(60)
         raise AssertionError("the front's bound should have ended this request")
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
 
 
 async def test_a_connection_ready_after_the_connect_bound_fired_is_a_connect_timeout_and_retried(nursery):
@@ -629,7 +638,7 @@ async def test_a_connection_ready_after_the_connect_bound_fired_is_a_connect_tim
     good = local("a", "good", sim.url)
     router = FakeRouter("a", lambda model, pinned, exclude: good if exclude else late)
     registry = CollectorRegistry()
-    async with ConnectsLate("http://192.0.2.1:9", make_upstream_transport(), late_s=0.4) as transport:
+    async with ConnectsLate("http://192.0.2.1:9", make_upstream_client(), late_s=0.4) as transport:
         app = make_front_app(router, transport, registry, rng=random.Random(SEED),
                              limits=FrontLimits(connect_s=0.2), created_unix=1_700_000_000)
         url = await start_app(nursery, app)
@@ -837,26 +846,24 @@ async def test_remote_ingress_over_mutual_tls(nursery):
 # -- the upstream pool -------------------------------------------------------------------------
 
 
+async def discard(data: bytes, last: bool) -> None:
+    pass
+
+
 async def _exchange_once(transport, target) -> None:
     body = json.dumps({"model": MODEL, "stream": True, "messages": []}).encode()
-    response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
-                                   lambda: None)
-    upstream = UpstreamBody(response, target)
-
-    async def discard(data: bytes, last: bool) -> None:
-        pass
-
+    answer = await transport.open(target, [(b"content-type", b"application/json")], body, lambda: None)
     try:
-        await upstream.relay(discard)
+        await answer.relay(discard)
     finally:
-        await upstream.aclose()
+        await answer.aclose()
 
 
 async def test_upstream_pool_reuses_connections_and_closes_idle_ones_at_keepalive_expiry(nursery, mock_clock):
     # Real loopback IO under a clock that moves only when told: 8 concurrent streams open 8
     # connections, the next 16 requests reuse them, and an idle one is trusted for exactly 4 s.
     sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
-    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    transport = make_upstream_client(keepalive_expiry_s=4.0)
     target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
     try:
         async with trio.open_nursery() as batch:
@@ -893,16 +900,11 @@ async def test_the_sweep_and_a_release_at_the_same_moment_share_the_idle_stack(n
     # iterate the stack across its awaits and died with "deque mutated during iteration",
     # taking the gateway down in the certificate-rotation fault test).
     sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
-    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    transport = make_upstream_client(keepalive_expiry_s=4.0)
     target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
     body = json.dumps({"model": MODEL, "messages": []}).encode()
     try:
-        held = UpstreamBody(await open_upstream(transport, target, [(b"content-type", b"application/json")],
-                                                body, lambda: None), target)
-
-        async def discard(data: bytes, last: bool) -> None:
-            pass
-
+        held = await transport.open(target, [(b"content-type", b"application/json")], body, lambda: None)
         await held.relay(discard)  # read whole; its connection goes back only when it is closed
         async with trio.open_nursery() as batch:
             for _ in range(2):
@@ -925,11 +927,11 @@ async def test_the_sweep_and_a_release_at_the_same_moment_share_the_idle_stack(n
 
 async def test_upstream_pool_drops_a_connection_the_server_closed(nursery):
     # The server closes idle keep-alive connections after 0.2 s: the pool sees the socket read
-    # as closed and opens a new one, without an error.
+    # as closed and opens a new one, without an error (polled past unchecked_idle_s, 0.1 s here).
     app = SimApp(knobs_from({"ttft_s": 0.0, "tpot_s": 0.0, "max_tokens": 2}))
     url = (await nursery.start(lambda task_status: serve_asgi(app, ["127.0.0.1:0"], keep_alive_s=0.2,
                                                               task_status=task_status)))[0]
-    transport = make_upstream_transport()
+    transport = UpstreamClient(ssl_context=None, max_idle=16, keepalive_expiry_s=4.0, unchecked_idle_s=0.1)
     target = upstream_target(local("a", "p", url), "/v1/chat/completions")
     try:
         await _exchange_once(transport, target)
@@ -1001,14 +1003,12 @@ async def test_upstream_keepalive_counts_from_the_servers_last_bytes_not_from_re
     # A response relayed to a slow client goes back to the pool long after the server sent its
     # last byte, and the server's keep-alive clock started then: the pool's must too.
     sim = await start_sim(nursery, ttft_s=0.0, tpot_s=0.0, max_tokens=2)
-    transport = make_upstream_transport(keepalive_expiry_s=4.0)
+    transport = make_upstream_client(keepalive_expiry_s=4.0)
     target = upstream_target(local("a", "p", sim.url), "/v1/chat/completions")
 
     async def read_then_release_after(seconds: float) -> None:
         body = json.dumps({"model": MODEL, "messages": []}).encode()
-        response = await open_upstream(transport, target, [(b"content-type", b"application/json")], body,
-                                       lambda: None)
-        upstream = UpstreamBody(response, target)
+        upstream = await transport.open(target, [(b"content-type", b"application/json")], body, lambda: None)
         received = []
 
         async def keep(data: bytes, last: bool) -> None:

@@ -5,7 +5,7 @@ away and cancels the whole exchange, which closes the upstream connection so the
 frees the sequence at once. A retry on the next candidate happens at most once, and only
 while nothing of the answer reached the client.
 
-Bounds (STYLE 3; docs/front.md), all trio cancel scopes, none inside httpx: ``connect_s``
+Bounds (STYLE 3; docs/front.md), all trio cancel scopes, none in the client: ``connect_s``
 until a connection is ready; from there to the first body byte the provider's ``timeout_s``
 (or the front's defaults); between body chunks ``stream_idle_s``.
 """
@@ -16,19 +16,17 @@ import logging
 import random
 from typing import Any
 
-import httpx
 import trio
 
 from gridd.gateway.front_errors import retry_after_seconds, send_error
 from gridd.gateway.front_limits import FrontLimits
 from gridd.gateway.front_metrics import FrontMetrics
 from gridd.gateway.router import Forward, Router, Shed, Unavailable
-from gridd.gateway.upstream_body import UpstreamBody
-from gridd.gateway.upstream_errors import UpstreamError
+from gridd.gateway.upstream_errors import UpstreamError, answered_error_status
 from gridd.gateway.upstream_request import (
+    Upstream,
+    UpstreamAnswer,
     UpstreamTarget,
-    open_upstream,
-    request_headers,
     response_headers,
     upstream_target,
 )
@@ -41,9 +39,6 @@ logger = logging.getLogger("gridd.gateway.front")
 SERVED_BY = b"x-gridd-served-by"
 SSE_DONE = b"data: [DONE]\n\n"
 """The last event of an OpenAI-compatible stream."""
-# Closing an upstream response is shielded from cancellation (a client that left must still
-# free the backend) and bounded by this.
-_CLOSE_S = 1.0
 _TARGET_CACHE_SIZE = 1024
 
 
@@ -73,11 +68,12 @@ class Exchange:
 class Forwarder:
     """Sends a routed request upstream and relays the answer (FrontApp's forwarding half).
 
-    transport: this site's providers; ingress_transport: other sites' ingress. The router is
-    asked again (excluding the failed candidate) for the one retry."""
+    transport: this site's providers; ingress_transport: other sites' ingress (both Upstream:
+    upstream_request). The router is asked again (excluding the failed candidate) for the one
+    retry."""
 
-    def __init__(self, router: Router, transport: httpx.AsyncBaseTransport,
-                 ingress_transport: httpx.AsyncBaseTransport, metrics: FrontMetrics, *,
+    def __init__(self, router: Router, transport: Upstream,
+                 ingress_transport: Upstream, metrics: FrontMetrics, *,
                  rng: random.Random, limits: FrontLimits) -> None:
         self.router = router
         self.transport = transport
@@ -157,7 +153,7 @@ class Forwarder:
 
         The head is held until the first body bytes (or the end of an empty body), so a
         failure before the first byte still gets a clean error. The body goes on in the pieces
-        UpstreamBody.relay gathers (whatever has arrived, one send each); the last piece ends
+        the answer's relay hands on (whatever one read brought, one send each); the last piece ends
         the response (one write for a small answer). A failure
         after the first byte cuts the client's response: the app returns without finishing it,
         and the server closes the connection (a truncated body, never a hang)."""
@@ -180,19 +176,20 @@ class Forwarder:
             bound.deadline = trio.current_time() + timeout_s
 
         transport = self.ingress_transport if target.remote else self.transport
-        upstream: UpstreamBody | None = None
+        upstream: UpstreamAnswer | None = None
         head_sent = finished = False
         status = 0
         try:
             with bound:
-                headers = request_headers(client_headers, target.headers)
-                response = await open_upstream(transport, target, headers, body, on_connected)
+                upstream = await transport.open(target, client_headers, body, on_connected)
+                status = upstream.status
+                if status >= 500:
+                    # Nothing of it is relayed (closed unread below): the next candidate may serve.
+                    raise answered_error_status(target.url, status)
                 phase = "first_byte"
                 metrics = self.metrics
                 metrics.observe_upstream_latency(target.site, trio.current_time() - sent_at)
-                upstream = UpstreamBody(response, target)
-                status = response.status_code
-                relayed, _ = response_headers(response.headers.raw)
+                relayed, _ = response_headers(upstream.headers)
                 # Which site and provider answered, `<site>/<provider>`: for clients' logs and the
                 # demo; never read by routing. A remote site's gateway set it first (it picked its
                 # own provider); a local provider's answer cannot name itself.
@@ -228,9 +225,9 @@ class Forwarder:
             return
         finally:
             if upstream is not None:
-                # Shielded: a client that left must still free the backend's sequence.
-                with trio.CancelScope(shield=True, deadline=trio.current_time() + _CLOSE_S):
-                    await upstream.aclose()
+                # A client that left must still free the backend's sequence: an answer's aclose
+                # is never cut short by this task's cancellation (UpstreamAnswer).
+                await upstream.aclose()
         if finished:
             exchange.outcome = "ok" if status < 400 else "upstream_4xx"
             return

@@ -19,7 +19,6 @@ import random
 import time
 from typing import Any
 
-import httpx
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry
@@ -30,6 +29,8 @@ from gridd.gateway.front_errors import retry_after_seconds, send_error
 from gridd.gateway.front_limits import FrontLimits
 from gridd.gateway.front_metrics import NO_SITE, OTHER_MODEL, CountsPool, FrontMetrics
 from gridd.gateway.router import PIN_HEADER, Forward, Router, Shed, Unavailable, UnknownModel
+from gridd.gateway.upstream_httpx import as_upstream
+from gridd.gateway.upstream_request import Upstream
 from gridd.http.asgi import ClientDisconnected, Receive, Scope, Send, send_simple
 
 __all__ = ["INFERENCE_PATHS", "FrontApp", "make_front_app"]
@@ -68,8 +69,8 @@ class _ClientGone(Exception):
 class FrontApp:
     """The ASGI app; build it with make_front_app."""
 
-    def __init__(self, router: Router, transport: httpx.AsyncBaseTransport, registry: CollectorRegistry, *,
-                 rng: random.Random, limits: FrontLimits, ingress_transport: httpx.AsyncBaseTransport | None,
+    def __init__(self, router: Router, transport: Upstream, registry: CollectorRegistry, *,
+                 rng: random.Random, limits: FrontLimits, ingress_transport: Upstream | None,
                  created_unix: int) -> None:
         self.router = router
         self.transport = transport
@@ -243,22 +244,20 @@ class FrontApp:
 _DEFAULT_LIMITS = FrontLimits()
 
 
-def make_front_app(router: Router, transport: httpx.AsyncBaseTransport, registry: CollectorRegistry, *,
+def make_front_app(router: Router, transport: object, registry: CollectorRegistry, *,
                    rng: random.Random, limits: FrontLimits = _DEFAULT_LIMITS,
-                   ingress_transport: httpx.AsyncBaseTransport | None = None,
+                   ingress_transport: object | None = None,
                    created_unix: int | None = None) -> FrontApp:
     """The OpenAI front as an ASGI app (serve it with gridd.http.serve.serve_asgi).
 
-    router: routing decisions (the gateway store). transport: the pooled upstream transport
-    for this site's providers, from upstream_transport.make_upstream_transport (the caller closes it).
+    router: routing decisions (the gateway store). transport: what this site's providers are
+    reached through: the pooled client from upstream_client.make_upstream_client (the caller
+    closes it), or any httpx transport (tests: mock and ASGI transports; upstream_httpx).
     registry: the front registers its collector here and serves it on GET /metrics. rng:
-    Retry-After jitter. limits: bounds. ingress_transport: for other sites' ingress (e.g. with
-    the gateway's mTLS identity and the grid CA); defaults to ``transport``. created_unix:
-    ``created`` of every /v1/models entry (default: now).
+    Retry-After jitter. limits: bounds. ingress_transport: the same, for other sites' ingress
+    (e.g. with the gateway's mTLS identity and the grid CA); defaults to ``transport``.
+    created_unix: ``created`` of every /v1/models entry (default: now).
     """
-    for given in (transport, ingress_transport):
-        if given is not None and not isinstance(given, httpx.AsyncBaseTransport):
-            raise TypeError(f"make_front_app takes an httpx transport "
-                            f"(upstream_transport.make_upstream_transport()), not {type(given).__name__}")
-    return FrontApp(router, transport, registry, rng=rng, limits=limits, ingress_transport=ingress_transport,
+    return FrontApp(router, as_upstream(transport), registry, rng=rng, limits=limits,
+                    ingress_transport=None if ingress_transport is None else as_upstream(ingress_transport),
                     created_unix=int(time.time()) if created_unix is None else created_unix)

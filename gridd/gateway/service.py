@@ -13,7 +13,7 @@ import logging
 import random
 import secrets
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Final
 
 import httpx
@@ -36,11 +36,9 @@ from gridd.core.strategy import Strategy, StrategyTable
 from gridd.core.transitions import TransitionLog
 from gridd.errors import ConfigError
 from gridd.gateway.front import make_front_app
-from gridd.gateway.upstream_transport import (
-    SwappableTransport,
-    close_expired_forever,
-    make_upstream_transport,
-)
+from gridd.gateway.upstream_client import SwappableUpstream, close_expired_forever, make_upstream_client
+from gridd.gateway.upstream_httpx import as_upstream
+from gridd.gateway.upstream_request import Upstream
 from gridd.http.asgi import ASGIApp
 from gridd.http.serve import serve_asgi
 from gridd.link.dial import ExpectedPeer, open_channel_dialer, parse_channel_url
@@ -214,13 +212,14 @@ class GatewayService:
         self.registry = registry
         self.wall = wall
         self.rng = rng or random.Random()
-        self._transport = transport
-        self._ingress_transport = ingress_transport
+        # Injected transports (tests: httpx mock and ASGI transports) forward through upstream_httpx.
+        self._transport = None if transport is None else as_upstream(transport)
+        self._ingress_transport = None if ingress_transport is None else as_upstream(ingress_transport)
         self._open_operator_link = open_operator_link or self._dial_operator
         self.store = GatewayStore(site=loaded.config.site, knobs=store_knobs(loaded.config))
         self.router = StoreRouter(self.store, self.rng, lambda: self._serving)
         self.tls: TLSMaterial | None = None
-        self._ingress: SwappableTransport | None = None
+        self._ingress: SwappableUpstream | None = None
         self.front_urls: list[str] = []
         # Polls of the operator by result, across poller restarts (grid_gateway_polls_total).
         self.poll_results: dict[str, int] = {"ok": 0}
@@ -248,8 +247,8 @@ class GatewayService:
         return self.loaded.config
 
     @property
-    def ingress(self) -> SwappableTransport | None:
-        """The transport to other sites' ingress (its inner one swapped at a rotation)."""
+    def ingress(self) -> SwappableUpstream | None:
+        """The upstream to other sites' ingress (its inner one swapped at a rotation)."""
         return self._ingress
 
     @property
@@ -265,10 +264,10 @@ class GatewayService:
         assert self.tls is not None  # check_gateway_config refused a config without tls
         # Forwarding transports: this site's providers, and other sites' ingress (verified
         # against the grid CA, presenting this gateway's certificate, when it is https).
-        transport = self._transport or make_upstream_transport()
-        ingress = self._ingress = SwappableTransport(
-            self._ingress_transport or make_upstream_transport(verify=self.tls.client_context))
-        async with transport, ingress, trio.open_nursery() as nursery:
+        transport: Upstream = self._transport or make_upstream_client()
+        ingress = self._ingress = SwappableUpstream(
+            self._ingress_transport or make_upstream_client(verify=self.tls.client_context))
+        async with aclosing(transport), aclosing(ingress), trio.open_nursery() as nursery:
             if self.config.listen.http:
                 app = make_front_app(self.router, transport, self.registry, rng=self.rng,
                                      ingress_transport=ingress)
@@ -407,7 +406,7 @@ class GatewayService:
         self.tls = staged.tls
         if restart and self._ingress is not None and staged.tls is not None:
             # Other sites' ingress: new connections present the rotated certificate.
-            self._ingress.swap(make_upstream_transport(verify=staged.tls.client_context))
+            self._ingress.swap(make_upstream_client(verify=staged.tls.client_context))
         if restart or old.operator != self.config.operator:
             self._poller_restarts += 1
             self._tasks.restart(OPERATOR)

@@ -1,39 +1,71 @@
-"""One OpenAI request to its upstream: where it goes, which headers pass, and opening it.
+"""One OpenAI request to its upstream: where it goes, which headers pass, and what opening it
+gives back.
 
 Upstream is either one of this site's providers (its OpenAI base ``.../v1`` and the
 credentials our own operator sent) or another site's gateways (its ingress URL, with
 PIN_HEADER naming that site so it serves the request locally and never re-routes it).
 
-The pure half builds targets and filters headers. ``open_upstream`` sends the request over
-the injected httpx transport (upstream_transport) and maps its failures into UpstreamError
-(upstream_errors); the body is relayed by upstream_body.
+This module is the pure half: targets (with their request bytes built once) and header
+rules, and the ``Upstream`` interface the front forwards through. Two implementations:
+upstream_client.UpstreamClient (the daemon's and the benchmarks') and
+upstream_httpx.HttpxUpstream (any httpx transport; tests inject mock and ASGI transports).
 
-No timeouts live here (STYLE 3): requests carry no httpx timeout and the front bounds every
-phase with trio cancel scopes. ``open_upstream`` reports the moment the connection is
-established (``on_connected``), so the caller can move one deadline from the connect bound to
-the time-to-headers bound.
+No timeouts live here (STYLE 3): the front bounds every phase with trio cancel scopes.
+``Upstream.open`` reports the moment a connection is ready (``on_connected``), so the caller
+can move one deadline from the connect bound to the time-to-headers bound.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import httpx
 
 from gridd.core.decisions import Forward
 from gridd.gateway.pin import PIN_HEADER
-from gridd.gateway.upstream_errors import answered_error_status, failed_before_answer
 
 __all__ = [
     "HOP_BY_HOP",
+    "Deliver",
+    "Upstream",
+    "UpstreamAnswer",
     "UpstreamTarget",
-    "open_upstream",
+    "request_header_block",
     "request_headers",
     "response_headers",
     "upstream_target",
 ]
+
+Deliver = Callable[[bytes, bool], Awaitable[None]]
+"""``deliver(data, last)``: the relay's hand-off of body bytes to the client."""
+
+
+class UpstreamAnswer(Protocol):
+    """An upstream response whose head is in: its status and header fields (raw), its body
+    relayed with ``relay(deliver)``; closed with ``aclose`` (an unfinished one closes its
+    connection, so the upstream sees EOF). ``aclose`` finishes even in a cancelled task: where
+    closing does IO it is shielded and bounded (1 s), so a client that left frees the backend."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    async def relay(self, deliver: Deliver) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """Where the front sends requests: ``open`` POSTs ``body`` to ``target`` with the client's
+    headers (filtered here: request_headers) and returns once the response head is in. Every
+    failure before that is an UpstreamError (upstream_errors)."""
+
+    async def open(self, target: UpstreamTarget, client_headers: list[tuple[bytes, bytes]], body: bytes,
+                   on_connected: Callable[[], None]) -> UpstreamAnswer: ...
+
+    async def aclose(self) -> None: ...
+
 
 _PIN = PIN_HEADER.encode("ascii")
 
@@ -69,6 +101,27 @@ class UpstreamTarget:
     timeout_s: float | None
     """The provider's own bound on time to response headers; None for a remote site."""
     remote: bool
+    origin: tuple[str, str, int] = field(init=False, repr=False, compare=False)
+    """(scheme, host, port) to connect to: the pool's key."""
+    request_head: bytes | None = field(init=False, repr=False, compare=False)
+    """The request line and Host field, as upstream_client sends them (httpx's order and
+    spelling: Host first); None when a target header holds CR, LF or NUL (never sent)."""
+    header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
+    header_block: bytes = field(init=False, repr=False, compare=False)
+    """The target headers as field lines, sent after the client's."""
+
+    def __post_init__(self) -> None:
+        url = self.url
+        scheme = url.scheme
+        port = url.port or {"http": 80, "https": 443}.get(scheme, 0)
+        setter = object.__setattr__  # frozen: the derived fields are set once, here
+        setter(self, "origin", (scheme, url.raw_host.decode("ascii"), port))
+        block = b"".join(name + b": " + value + b"\r\n" for name, value in self.headers)
+        head = b"POST " + url.raw_path + b" HTTP/1.1\r\nHost: " + url.netloc + b"\r\n"
+        clean = b"\0" not in block and block.count(b"\r") == block.count(b"\n") == len(self.headers)
+        setter(self, "request_head", head if clean else None)
+        setter(self, "header_names", frozenset(name for name, _ in self.headers))
+        setter(self, "header_block", block)
 
 
 def upstream_target(forward: Forward, path: str, query: bytes = b"") -> UpstreamTarget:
@@ -107,6 +160,17 @@ def _connection_listed(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[byte
     return frozenset(listed)
 
 
+def _forwarded(client: list[tuple[bytes, bytes]],
+               target_names: frozenset[bytes]) -> Iterator[tuple[bytes, bytes]]:
+    """The client's headers that pass (request_headers), names lowercased."""
+    listed = _connection_listed(client)
+    for name, value in client:
+        lowered = name.lower()
+        if lowered in _DROPPED_REQUEST or lowered in target_names or (listed and lowered in listed):
+            continue
+        yield lowered, value
+
+
 def request_headers(client: list[tuple[bytes, bytes]],
                     target: tuple[tuple[bytes, bytes], ...]) -> list[tuple[bytes, bytes]]:
     """Client headers to send upstream, then the target's (which win on a shared name).
@@ -118,16 +182,19 @@ def request_headers(client: list[tuple[bytes, bytes]],
     upstream is asked for exactly the encodings the client accepts and its bytes can be
     relayed unchanged.
     """
-    listed = _connection_listed(client)
-    target_names = {name for name, _ in target}
-    out: list[tuple[bytes, bytes]] = []
-    for name, value in client:
-        lowered = name.lower()
-        if lowered in _DROPPED_REQUEST or lowered in target_names or (listed and lowered in listed):
-            continue
-        out.append((lowered, value))
+    out = list(_forwarded(client, frozenset(name for name, _ in target)))
     out.extend(target)
     return out
+
+
+def request_header_block(client: list[tuple[bytes, bytes]], target_names: frozenset[bytes]) -> bytes | None:
+    """The client headers that pass (request_headers) as field lines, or None when a value
+    holds CR, LF or NUL (it would split the request; our server never lets one in)."""
+    lines = [name + b": " + value + b"\r\n" for name, value in _forwarded(client, target_names)]
+    block = b"".join(lines)
+    if block.count(b"\n") != len(lines) or block.count(b"\r") != len(lines) or b"\0" in block:
+        return None
+    return block
 
 
 def response_headers(upstream: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], int]:
@@ -146,35 +213,3 @@ def response_headers(upstream: list[tuple[bytes, bytes]]) -> tuple[list[tuple[by
             length = int(value) if value.isdigit() else -1
         out.append((lowered, value))
     return out, length
-
-
-_CONNECTED_EVENT = "http11.send_request_headers.started"
-
-
-async def open_upstream(transport: httpx.AsyncBaseTransport, target: UpstreamTarget,
-                        headers: list[tuple[bytes, bytes]], body: bytes,
-                        on_connected: Callable[[], None]) -> httpx.Response:
-    """POST ``body`` to ``target`` and return the open response once its headers arrived.
-
-    ``on_connected`` runs when a connection (new or pooled) is ready and the request starts
-    going out. The response body is not read: wrap it in UpstreamBody and close it. A 5xx
-    answer is closed here and raised as a retryable UpstreamError (nothing was relayed).
-    """
-    connected = False
-
-    async def trace(name: str, info: Any) -> None:
-        nonlocal connected
-        if name == _CONNECTED_EVENT and not connected:
-            connected = True
-            on_connected()
-
-    # No "timeout" extension: httpcore then applies none (the caller's scopes bound it).
-    request = httpx.Request("POST", target.url, headers=headers, content=body, extensions={"trace": trace})
-    try:
-        response = await transport.handle_async_request(request)
-    except (httpx.TransportError, httpx.InvalidURL) as exc:
-        raise failed_before_answer(exc, target.url, connected=connected) from exc
-    if response.status_code >= 500:
-        await response.aclose()
-        raise answered_error_status(target.url, response.status_code)
-    return response
