@@ -56,6 +56,7 @@ CANDIDATE_COUNTS = (10, 100, 1000)
 MODELS = 10  # gateway candidates are spread over this many models
 WARMUP_PASSES = 2
 OPERATOR_BUDGET_S = 60.0  # per operator run, however slow the machine is
+OPERATOR_SRC: Path | None = None  # --src: the gridd tree the operator child imports
 
 
 def latency_ms(index: int) -> int:
@@ -271,6 +272,7 @@ def operator_point(ports: list[int], concurrency: int, passes: int, client_kind:
                 str(passes),
                 "--client",
                 client_kind,
+                *(["--src", str(OPERATOR_SRC)] if OPERATOR_SRC is not None else []),
             ],
             capture_output=True,
             text=True,
@@ -684,7 +686,18 @@ def main() -> None:
     parser.add_argument("--gateway-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("operator", "signals", "gateway", "poll"), help="run one curve")
+    parser.add_argument(
+        "--src",
+        type=Path,
+        help="the operator curve runs the gridd package of this tree (e.g. an unchanged checkout, "
+        "for a same-session comparison); the harness stays this one",
+    )
     args = parser.parse_args()
+    if args.src is not None:
+        global OPERATOR_SRC
+        OPERATOR_SRC = args.src.resolve()
+        if args.operator_child:
+            sys.path.insert(0, str(OPERATOR_SRC))
     if args.serve_providers:
         trio.run(serve_providers, args.serve_providers)
         return
@@ -703,6 +716,7 @@ def main() -> None:
     print(
         f"sample: {SAMPLE.name}, {SAMPLE.stat().st_size} bytes; cpus: {os.cpu_count()}; "
         f"load average at start: {os.getloadavg()[0]:.2f}"
+        + (f"; operator code: {OPERATOR_SRC}" if OPERATOR_SRC is not None else "")
     )
     only = {"signals": signals_curve, "gateway": gateway_curve, "poll": poll_cycle_curve}.get(args.only or "")
     if only is not None:
