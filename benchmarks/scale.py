@@ -38,7 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -217,12 +219,27 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
     # default; "httpx": the httpx client it used before (make_client), the same-run baseline.
     client: Client = (make_scrape_client() if client_kind == "lean"
                       else make_client(loaded.config.timings.scrape_concurrency))
-    marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
+    # (process CPU, wall, pass duration, RSS MB, system CPU, CPU inside the publishers)
+    marks: list[tuple[float, ...]] = []
     done = trio.Event()
+    # CPU spent in ProviderPublisher.on_scrape (gridd/core: parse, derive, readiness, batch),
+    # so a pass's CPU splits into that and the rest (the shell: scrape pool, HTTP client,
+    # trio, the service's result handling). Timing costs two clock reads per scrape.
+    publishing = [0.0]
+
+    def timed(on_scrape: Callable[..., Any]) -> Callable[..., Any]:
+        def on_scrape_timed(**kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return on_scrape(**kwargs)
+            finally:
+                publishing[0] += time.process_time() - start
+
+        return on_scrape_timed
 
     def on_pass(started: float, duration: float) -> None:
         times = os.times()
-        marks.append((time.process_time(), time.monotonic(), duration, rss_mb(), times.system))
+        marks.append((time.process_time(), time.monotonic(), duration, rss_mb(), times.system, publishing[0]))
         if len(marks) > WARMUP_PASSES + passes:
             done.set()
 
@@ -230,14 +247,21 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
     rss_before = rss_mb()
     async with trio.open_nursery() as nursery:
         await nursery.start(operator.run)
+        for publisher in operator.publishers.values():  # from the first (warm-up) pass on
+            publisher.on_scrape = timed(publisher.on_scrape)  # type: ignore[method-assign]  # benchmark split
         with trio.move_on_after(OPERATOR_BUDGET_S):
             await done.wait()
         nursery.cancel_scope.cancel()
     measured = marks[WARMUP_PASSES:]
     cpu = [b[0] - a[0] for a, b in zip(measured, measured[1:], strict=False)]
+    publish = [b[5] - a[5] for a, b in zip(measured, measured[1:], strict=False)]
     failing = sum(1 for p in operator.publishers.values() if p.summary.last_failure_class is not None)
     return {
         "cpu_per_pass_s": statistics.median(cpu) if cpu else float("nan"),
+        "publish_cpu_per_pass_s": statistics.median(publish) if publish else float("nan"),
+        "rest_cpu_per_pass_s": statistics.median(c - p for c, p in zip(cpu, publish, strict=True))
+        if cpu
+        else float("nan"),
         "pass_s": statistics.median(m[2] for m in measured[1:]) if len(measured) > 1 else float("nan"),
         "share": (measured[-1][0] - measured[0][0]) / (measured[-1][1] - measured[0][1])
         if len(measured) > 1
@@ -291,8 +315,8 @@ def operator_curve(
         "5-50 ms) =="
     )
     print(
-        f"{'providers':>9} {'slots':>5} {'client':>6} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
-        f"{'rss_mb':>7} {'sys':>5} {'failing':>7}"
+        f"{'providers':>9} {'slots':>5} {'client':>6} {'cpu_s/pass':>24} {'publish':>7} {'rest':>7} "
+        f"{'pass_s':>24} {'cpu share':>24} {'rss_mb':>7} {'sys':>5} {'failing':>7}"
     )
     results: dict[tuple[int, int, str], list[dict]] = {}
     points = [(n, 16, "lean") for n in counts] + extra
@@ -308,6 +332,8 @@ def operator_curve(
     for (n, slots, client_kind), runs in results.items():
         print(
             f"{n:>9} {slots:>5} {client_kind:>6} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
+            f"{statistics.median(r['publish_cpu_per_pass_s'] for r in runs):7.3f} "
+            f"{statistics.median(r['rest_cpu_per_pass_s'] for r in runs):7.3f} "
             f"{spread([r['pass_s'] for r in runs]):>24} {spread([r['share'] for r in runs]):>24} "
             f"{statistics.median(r['rss_mb'] for r in runs):7.1f} "
             f"{statistics.median(r['system_share'] for r in runs):5.2f} {max(r['failing'] for r in runs):>7}"

@@ -15,6 +15,7 @@ duration is recorded because the readiness floor depends on it (spec: Provider R
 from __future__ import annotations
 
 import logging
+import math
 import ssl
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
@@ -93,18 +94,25 @@ async def fetch_capped(
 Client = ScrapeClient | httpx.AsyncClient
 
 
+async def _fetch(client: Client, target: ScrapeTarget, body_cap: int) -> tuple[bytes | None, str | None, str]:
+    if isinstance(client, ScrapeClient):
+        return await client.get_capped(target.url, target.headers, body_cap)
+    return await fetch_capped(client, target, body_cap)
+
+
+def _timed_out(target: ScrapeTarget, start: float, end: float) -> ScrapeResult:
+    return ScrapeResult(target.provider, end, end - start, None, "timeout",
+                        f"no answer within {target.timeout_s:g} s")
+
+
 async def scrape_one(client: Client, target: ScrapeTarget, body_cap: int) -> ScrapeResult:
     start = trio.current_time()
     # The provider's timeout, owned here (STYLE 3): move_on_after(timeout_s), built directly.
     with trio.CancelScope(deadline=start + target.timeout_s) as scope:
-        if isinstance(client, ScrapeClient):
-            body, failure, detail = await client.get_capped(target.url, target.headers, body_cap)
-        else:
-            body, failure, detail = await fetch_capped(client, target, body_cap)
+        body, failure, detail = await _fetch(client, target, body_cap)
     end = trio.current_time()
     if scope.cancelled_caught:
-        return ScrapeResult(target.provider, end, end - start, None, "timeout",
-                            f"no answer within {target.timeout_s:g} s")
+        return _timed_out(target, start, end)
     return ScrapeResult(target.provider, end, end - start, body, failure, detail)
 
 
@@ -180,21 +188,52 @@ class ScrapePool:
         return duration
 
     async def _scrape_worker(self, pending: Iterator[ScrapeTarget]) -> None:
-        for target in pending:  # one iterator for the pass: each target goes to one worker
-            self._in_flight += 1
-            self.max_in_flight_seen = max(self.max_in_flight_seen, self._in_flight)
-            try:
-                result = await scrape_one(self.client, target, self.body_cap)
-            finally:
-                self._in_flight -= 1
-            try:
-                outcome = self.on_result(result)
-                if outcome is not None:
-                    await outcome
-            except Exception:
-                # A bug on one provider's result path must not stop every provider's scraping.
-                self.result_errors += 1
-                log.exception("provider %s: processing the scrape result failed", target.provider)
+        """Scrape targets from ``pending`` (the pass's one iterator: each target goes to one
+        worker) until none is left, handing each result on.
+
+        Each scrape is bounded by its provider's timeout exactly as scrape_one bounds it
+        (the caller's cancel scope, STYLE 3), but one scope serves many scrapes in a row:
+        its deadline is set to each scrape's start + timeout_s and lifted before the result
+        is handed on. A scope whose deadline fired is spent, so the next scrape gets a new
+        one; that costs a scope per timeout, not one per scrape."""
+        while True:
+            result: ScrapeResult | None = None
+            with trio.CancelScope() as scope:
+                for target in pending:
+                    start = trio.current_time()
+                    scope.deadline = start + target.timeout_s
+                    self._in_flight += 1
+                    self.max_in_flight_seen = max(self.max_in_flight_seen, self._in_flight)
+                    try:
+                        body, failure, detail = await _fetch(self.client, target, self.body_cap)
+                    finally:
+                        self._in_flight -= 1
+                    scope.deadline = math.inf
+                    end = trio.current_time()
+                    result = ScrapeResult(target.provider, end, end - start, body, failure, detail)
+                    if scope.cancel_called:
+                        # The deadline passed as the answer came in: the answer stands, and
+                        # is handed on outside this spent scope.
+                        break
+                    await self._hand_on(result)
+                    result = None
+                else:
+                    return
+            if scope.cancelled_caught:
+                # The deadline fired during the scrape of ``target``, begun at ``start``.
+                result = _timed_out(target, start, trio.current_time())
+            assert result is not None
+            await self._hand_on(result)
+
+    async def _hand_on(self, result: ScrapeResult) -> None:
+        try:
+            outcome = self.on_result(result)
+            if outcome is not None:
+                await outcome
+        except Exception:
+            # A bug on one provider's result path must not stop every provider's scraping.
+            self.result_errors += 1
+            log.exception("provider %s: processing the scrape result failed", result.provider)
 
     async def run(
         self,
