@@ -118,12 +118,12 @@ async def scrape_one(client: Client, target: ScrapeTarget, body_cap: int) -> Scr
 
 def make_scrape_client(verify: ssl.SSLContext | bool = True) -> ScrapeClient:
     """The scrape pool's client: keep-alive per provider, no queue of its own (the pool's
-    limiter bounds it), the same TLS verification as ``make_client``."""
+    workers bound it), the same TLS verification as ``make_client``."""
     return ScrapeClient(verify=verify)
 
 
 def make_client(concurrency: int, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
-    # httpx's pool at or above the limiter, so it never becomes a hidden queue (STYLE 8).
+    # httpx's pool at or above the pool's bound, so it never becomes a hidden queue (STYLE 8).
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     return httpx.AsyncClient(
         limits=limits,
