@@ -19,6 +19,13 @@ Three curves, each point repeated (--repeats, default 3) and shown as median [mi
   learning, then the rebuild of every model's snapshot) and the rebuild alone, for 10 / 100 /
   1000 candidates; RSS per candidate from a child process holding them.
 
+The operator's CPU per pass is also split in two: ``publish``, the CPU inside
+ProviderPublisher.on_scrape (gridd/core: parse, derive, readiness, batch), and ``rest``, the
+shell (scrape pool, HTTP client, trio, the service's result handling). ``--compare TREE``
+adds a "base" row, 1000 providers x 16 slots on TREE's gridd (an unchanged checkout),
+interleaved with the other points in every repeat; ``--src TREE`` runs every operator point
+on TREE's gridd.
+
 Bounded: every phase has a fixed count of passes, polls or rounds and a wall-clock budget;
 network only on 127.0.0.1. Run: nice -n 15 .venv/bin/python benchmarks/scale.py [--repeats N] [--quick]
 The last line is machine-readable: scrape_cpu_share_1000=<fraction of one core the operator
@@ -59,6 +66,7 @@ MODELS = 10  # gateway candidates are spread over this many models
 WARMUP_PASSES = 2
 OPERATOR_BUDGET_S = 60.0  # per operator run, however slow the machine is
 OPERATOR_SRC: Path | None = None  # --src: the gridd tree the operator child imports
+COMPARE_SRC: Path | None = None  # --compare: the tree of the "base" point (1000 x 16, lean client)
 
 
 def latency_ms(index: int) -> int:
@@ -283,6 +291,10 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
 
 
 def operator_point(ports: list[int], concurrency: int, passes: int, client_kind: str) -> dict:
+    """One operator child. ``client_kind``: "lean" or "httpx" (the client it scrapes with), or
+    "base": the lean client, running the gridd of the --compare tree."""
+    src = COMPARE_SRC if client_kind == "base" else OPERATOR_SRC
+    client = "lean" if client_kind == "base" else client_kind
     with tempfile.TemporaryDirectory(prefix="gridd-scale-") as tmp:
         config = Path(tmp) / "operator.yaml"
         config.write_text(operator_config(ports, concurrency, Path(tmp) / "state"))
@@ -295,8 +307,8 @@ def operator_point(ports: list[int], concurrency: int, passes: int, client_kind:
                 "--passes",
                 str(passes),
                 "--client",
-                client_kind,
-                *(["--src", str(OPERATOR_SRC)] if OPERATOR_SRC is not None else []),
+                client,
+                *(["--src", str(src)] if src is not None else []),
             ],
             capture_output=True,
             text=True,
@@ -713,14 +725,22 @@ def main() -> None:
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("operator", "signals", "gateway", "poll"), help="run one curve")
     parser.add_argument(
+        "--compare",
+        type=Path,
+        help="also run 1000 providers x 16 slots on this tree's gridd (the 'base' row, interleaved "
+        "with the others in every repeat) and compare the pass CPU outside the publishers",
+    )
+    parser.add_argument(
         "--src",
         type=Path,
         help="the operator curve runs the gridd package of this tree (e.g. an unchanged checkout, "
         "for a same-session comparison); the harness stays this one",
     )
     args = parser.parse_args()
+    global OPERATOR_SRC, COMPARE_SRC
+    if args.compare is not None:
+        COMPARE_SRC = args.compare.resolve()
     if args.src is not None:
-        global OPERATOR_SRC
         OPERATOR_SRC = args.src.resolve()
         if args.operator_child:
             sys.path.insert(0, str(OPERATOR_SRC))
@@ -743,6 +763,7 @@ def main() -> None:
         f"sample: {SAMPLE.name}, {SAMPLE.stat().st_size} bytes; cpus: {os.cpu_count()}; "
         f"load average at start: {os.getloadavg()[0]:.2f}"
         + (f"; operator code: {OPERATOR_SRC}" if OPERATOR_SRC is not None else "")
+        + (f"; base (compared) code: {COMPARE_SRC}" if COMPARE_SRC is not None else "")
     )
     only = {"signals": signals_curve, "gateway": gateway_curve, "poll": poll_cycle_curve}.get(args.only or "")
     if only is not None:
@@ -750,13 +771,18 @@ def main() -> None:
         return
     # 1000 providers also with a pool four times wider (does the pass then fit the interval?),
     # and through the httpx client the operator used before, as the same-run baseline.
-    operator = operator_curve(
-        PROVIDER_COUNTS, args.repeats, args.passes, extra=[(1000, 64, "lean"), (1000, 16, "httpx")]
-    )
+    extra = [(1000, 64, "lean"), (1000, 16, "httpx")] + ([(1000, 16, "base")] if COMPARE_SRC else [])
+    operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes, extra=extra)
     lean_vs_httpx = statistics.median(
         r["cpu_per_pass_s"] for r in operator["points"]["1000x16"]
     ) / statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16-httpx"])
     print(f"scrape CPU at 1000 providers, lean vs httpx, same run: {lean_vs_httpx:.3f}")
+    if COMPARE_SRC is not None:
+        for column, what in (("rest_cpu_per_pass_s", "outside the publishers"), ("cpu_per_pass_s", "in all")):
+            now, base = (statistics.median(r[column] for r in operator["points"][key])
+                         for key in ("1000x16", "1000x16-base"))
+            print(f"CPU per pass at 1000 providers {what}, this code vs base, same run: "
+                  f"{now:.3f} vs {base:.3f} ({now / base:.3f})")
     if args.only == "operator":
         return
     signals = signals_curve(args.rounds)
