@@ -21,6 +21,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_scrape import read_request
 
 from gridd.operator.http1 import ResponseParser, ScrapeClient
 from gridd.operator.scrape import ScrapeTarget, scrape_one
@@ -50,16 +51,6 @@ async def provider(serve: Serve) -> AsyncIterator[int]:
         listeners = await nursery.start(trio.serve_tcp, serve, 0)
         yield listeners[0].socket.getsockname()[1]
         nursery.cancel_scope.cancel()
-
-
-async def read_request(stream: trio.abc.ReceiveStream) -> bytes | None:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return None
-        data += chunk
-    return data
 
 
 def content_length(body: bytes) -> bytes:
