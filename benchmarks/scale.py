@@ -19,6 +19,13 @@ Three curves, each point repeated (--repeats, default 3) and shown as median [mi
   learning, then the rebuild of every model's snapshot) and the rebuild alone, for 10 / 100 /
   1000 candidates; RSS per candidate from a child process holding them.
 
+The operator's CPU per pass is also split in two: ``publish``, the CPU inside
+ProviderPublisher.on_scrape (gridd/core: parse, derive, readiness, batch), and ``rest``, the
+shell (scrape pool, HTTP client, trio, the service's result handling). ``--compare TREE``
+adds a "base" row, 1000 providers x 16 slots on TREE's gridd (an unchanged checkout),
+interleaved with the other points in every repeat; ``--src TREE`` runs every operator point
+on TREE's gridd.
+
 Bounded: every phase has a fixed count of passes, polls or rounds and a wall-clock budget;
 network only on 127.0.0.1. Run: nice -n 15 .venv/bin/python benchmarks/scale.py [--repeats N] [--quick]
 The last line is machine-readable: scrape_cpu_share_1000=<fraction of one core the operator
@@ -38,7 +45,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -56,6 +65,8 @@ CANDIDATE_COUNTS = (10, 100, 1000)
 MODELS = 10  # gateway candidates are spread over this many models
 WARMUP_PASSES = 2
 OPERATOR_BUDGET_S = 60.0  # per operator run, however slow the machine is
+OPERATOR_SRC: Path | None = None  # --src: the gridd tree the operator child imports
+COMPARE_SRC: Path | None = None  # --compare: the tree of the "base" point (1000 x 16, lean client)
 
 
 def latency_ms(index: int) -> int:
@@ -216,12 +227,27 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
     # default; "httpx": the httpx client it used before (make_client), the same-run baseline.
     client: Client = (make_scrape_client() if client_kind == "lean"
                       else make_client(loaded.config.timings.scrape_concurrency))
-    marks: list[tuple[float, ...]] = []  # (process CPU, wall, pass duration, RSS MB, system CPU)
+    # (process CPU, wall, pass duration, RSS MB, system CPU, CPU inside the publishers)
+    marks: list[tuple[float, ...]] = []
     done = trio.Event()
+    # CPU spent in ProviderPublisher.on_scrape (gridd/core: parse, derive, readiness, batch),
+    # so a pass's CPU splits into that and the rest (the shell: scrape pool, HTTP client,
+    # trio, the service's result handling). Timing costs two clock reads per scrape.
+    publishing = [0.0]
+
+    def timed(on_scrape: Callable[..., Any]) -> Callable[..., Any]:
+        def on_scrape_timed(**kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return on_scrape(**kwargs)
+            finally:
+                publishing[0] += time.process_time() - start
+
+        return on_scrape_timed
 
     def on_pass(started: float, duration: float) -> None:
         times = os.times()
-        marks.append((time.process_time(), time.monotonic(), duration, rss_mb(), times.system))
+        marks.append((time.process_time(), time.monotonic(), duration, rss_mb(), times.system, publishing[0]))
         if len(marks) > WARMUP_PASSES + passes:
             done.set()
 
@@ -229,14 +255,21 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
     rss_before = rss_mb()
     async with trio.open_nursery() as nursery:
         await nursery.start(operator.run)
+        for publisher in operator.publishers.values():  # from the first (warm-up) pass on
+            publisher.on_scrape = timed(publisher.on_scrape)  # type: ignore[method-assign]  # benchmark split
         with trio.move_on_after(OPERATOR_BUDGET_S):
             await done.wait()
         nursery.cancel_scope.cancel()
     measured = marks[WARMUP_PASSES:]
     cpu = [b[0] - a[0] for a, b in zip(measured, measured[1:], strict=False)]
+    publish = [b[5] - a[5] for a, b in zip(measured, measured[1:], strict=False)]
     failing = sum(1 for p in operator.publishers.values() if p.summary.last_failure_class is not None)
     return {
         "cpu_per_pass_s": statistics.median(cpu) if cpu else float("nan"),
+        "publish_cpu_per_pass_s": statistics.median(publish) if publish else float("nan"),
+        "rest_cpu_per_pass_s": statistics.median(c - p for c, p in zip(cpu, publish, strict=True))
+        if cpu
+        else float("nan"),
         "pass_s": statistics.median(m[2] for m in measured[1:]) if len(measured) > 1 else float("nan"),
         "share": (measured[-1][0] - measured[0][0]) / (measured[-1][1] - measured[0][1])
         if len(measured) > 1
@@ -258,6 +291,10 @@ async def run_operator(config_path: Path, passes: int, client_kind: str) -> dict
 
 
 def operator_point(ports: list[int], concurrency: int, passes: int, client_kind: str) -> dict:
+    """One operator child. ``client_kind``: "lean" or "httpx" (the client it scrapes with), or
+    "base": the lean client, running the gridd of the --compare tree."""
+    src = COMPARE_SRC if client_kind == "base" else OPERATOR_SRC
+    client = "lean" if client_kind == "base" else client_kind
     with tempfile.TemporaryDirectory(prefix="gridd-scale-") as tmp:
         config = Path(tmp) / "operator.yaml"
         config.write_text(operator_config(ports, concurrency, Path(tmp) / "state"))
@@ -270,7 +307,8 @@ def operator_point(ports: list[int], concurrency: int, passes: int, client_kind:
                 "--passes",
                 str(passes),
                 "--client",
-                client_kind,
+                client,
+                *(["--src", str(src)] if src is not None else []),
             ],
             capture_output=True,
             text=True,
@@ -289,8 +327,8 @@ def operator_curve(
         "5-50 ms) =="
     )
     print(
-        f"{'providers':>9} {'slots':>5} {'client':>6} {'cpu_s/pass':>24} {'pass_s':>24} {'cpu share':>24} "
-        f"{'rss_mb':>7} {'sys':>5} {'failing':>7}"
+        f"{'providers':>9} {'slots':>5} {'client':>6} {'cpu_s/pass':>24} {'publish':>7} {'rest':>7} "
+        f"{'pass_s':>24} {'cpu share':>24} {'rss_mb':>7} {'sys':>5} {'failing':>7}"
     )
     results: dict[tuple[int, int, str], list[dict]] = {}
     points = [(n, 16, "lean") for n in counts] + extra
@@ -306,6 +344,8 @@ def operator_curve(
     for (n, slots, client_kind), runs in results.items():
         print(
             f"{n:>9} {slots:>5} {client_kind:>6} {spread([r['cpu_per_pass_s'] for r in runs]):>24} "
+            f"{statistics.median(r['publish_cpu_per_pass_s'] for r in runs):7.3f} "
+            f"{statistics.median(r['rest_cpu_per_pass_s'] for r in runs):7.3f} "
             f"{spread([r['pass_s'] for r in runs]):>24} {spread([r['share'] for r in runs]):>24} "
             f"{statistics.median(r['rss_mb'] for r in runs):7.1f} "
             f"{statistics.median(r['system_share'] for r in runs):5.2f} {max(r['failing'] for r in runs):>7}"
@@ -684,7 +724,26 @@ def main() -> None:
     parser.add_argument("--gateway-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("operator", "signals", "gateway", "poll"), help="run one curve")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        help="also run 1000 providers x 16 slots on this tree's gridd (the 'base' row, interleaved "
+        "with the others in every repeat) and compare the pass CPU outside the publishers",
+    )
+    parser.add_argument(
+        "--src",
+        type=Path,
+        help="the operator curve runs the gridd package of this tree (e.g. an unchanged checkout, "
+        "for a same-session comparison); the harness stays this one",
+    )
     args = parser.parse_args()
+    global OPERATOR_SRC, COMPARE_SRC
+    if args.compare is not None:
+        COMPARE_SRC = args.compare.resolve()
+    if args.src is not None:
+        OPERATOR_SRC = args.src.resolve()
+        if args.operator_child:
+            sys.path.insert(0, str(OPERATOR_SRC))
     if args.serve_providers:
         trio.run(serve_providers, args.serve_providers)
         return
@@ -703,6 +762,8 @@ def main() -> None:
     print(
         f"sample: {SAMPLE.name}, {SAMPLE.stat().st_size} bytes; cpus: {os.cpu_count()}; "
         f"load average at start: {os.getloadavg()[0]:.2f}"
+        + (f"; operator code: {OPERATOR_SRC}" if OPERATOR_SRC is not None else "")
+        + (f"; base (compared) code: {COMPARE_SRC}" if COMPARE_SRC is not None else "")
     )
     only = {"signals": signals_curve, "gateway": gateway_curve, "poll": poll_cycle_curve}.get(args.only or "")
     if only is not None:
@@ -710,13 +771,18 @@ def main() -> None:
         return
     # 1000 providers also with a pool four times wider (does the pass then fit the interval?),
     # and through the httpx client the operator used before, as the same-run baseline.
-    operator = operator_curve(
-        PROVIDER_COUNTS, args.repeats, args.passes, extra=[(1000, 64, "lean"), (1000, 16, "httpx")]
-    )
+    extra = [(1000, 64, "lean"), (1000, 16, "httpx")] + ([(1000, 16, "base")] if COMPARE_SRC else [])
+    operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes, extra=extra)
     lean_vs_httpx = statistics.median(
         r["cpu_per_pass_s"] for r in operator["points"]["1000x16"]
     ) / statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16-httpx"])
     print(f"scrape CPU at 1000 providers, lean vs httpx, same run: {lean_vs_httpx:.3f}")
+    if COMPARE_SRC is not None:
+        for column, what in (("rest_cpu_per_pass_s", "outside the publishers"), ("cpu_per_pass_s", "in all")):
+            now, base = (statistics.median(r[column] for r in operator["points"][key])
+                         for key in ("1000x16", "1000x16-base"))
+            print(f"CPU per pass at 1000 providers {what}, this code vs base, same run: "
+                  f"{now:.3f} vs {base:.3f} ({now / base:.3f})")
     if args.only == "operator":
         return
     signals = signals_curve(args.rounds)

@@ -116,6 +116,39 @@ async def test_failure_classes():
     }
 
 
+async def test_one_worker_bounds_each_scrape_by_its_own_timeout_through_timeouts_and_late_answers(
+    autojump_clock,
+):
+    # A pass on one slot: each scrape's timeout runs from its own start, whatever the scrapes
+    # before it did on the same worker: an answer that arrives after its deadline passed
+    # without cancelling it (shielded here) stands, a hang times out exactly, and the next
+    # scrapes keep their own full timeouts.
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host == "late":
+            with trio.CancelScope(shield=True):
+                await trio.sleep(3.0)
+        elif host == "hang":
+            await trio.sleep_forever()
+        else:
+            await trio.sleep(1.5)
+        return httpx.Response(200, content=host.encode())
+
+    results = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        pool = ScrapePool(client, concurrency=1, body_cap=CAP, on_result=results.append)
+        start = trio.current_time()
+        duration = await pool.run_pass(targets("late", "hang", "a", "hang", "b", timeout_s=2.0))
+    assert [(r.provider, r.finished_at - start, r.duration_s, r.failure_class, r.body) for r in results] == [
+        ("late", 3.0, 3.0, None, b"late"),
+        ("hang", 5.0, 2.0, "timeout", None),
+        ("a", 6.5, 1.5, None, b"a"),
+        ("hang", 8.5, 2.0, "timeout", None),
+        ("b", 10.0, 1.5, None, b"b"),
+    ]
+    assert duration == 10.0 and pool.max_in_flight_seen == 1
+
+
 async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock):
     delays = {"a": 0.25}
     starts = []
