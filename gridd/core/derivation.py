@@ -242,7 +242,8 @@ def _inflight_per_endpoint(expo: Exposition, checked: _Checked) -> dict[tuple[st
     """
     per_producer: dict[tuple[str, str], dict[str, float]] = {}
     for labels, raw in expo.samples.get(_INFLIGHT, ()):
-        value = checked.count("in_flight", _INFLIGHT, raw)
+        # A finite count of at least 0 is its own value; checked.count reads the others.
+        value = raw if 0.0 <= raw < math.inf else checked.count("in_flight", _INFLIGHT, raw)
         if value is None:
             if not math.isfinite(raw):
                 continue

@@ -38,6 +38,7 @@ Pure: ``now`` is a monotonic float of seconds passed in by the caller.
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 
@@ -83,14 +84,16 @@ class _Snapshot:
     successes: float
     completed: float
     failures: float | None  # None: the source has no failure count
-    ttft: Buckets  # (upper bound, cumulative count), sorted by bound, +Inf last
+    # The TTFT histogram: upper bounds, sorted, +Inf last, and their cumulative counts.
+    ttft_bounds: tuple[float, ...]
+    ttft_counts: tuple[float, ...]
     tpot_sum: float
     tpot_count: float
 
-    def counters(self) -> tuple[float, ...]:
+    def scalars(self) -> tuple[float, float, float, float, float]:
+        """The cumulative counters but the TTFT buckets."""
         failures = 0.0 if self.failures is None else self.failures
-        return (self.successes, self.completed, failures, self.tpot_sum, self.tpot_count,
-                *(count for _, count in self.ttft))
+        return (self.successes, self.completed, failures, self.tpot_sum, self.tpot_count)
 
 
 Models = frozenset[str] | None
@@ -122,8 +125,10 @@ def _total(expo: Exposition, families: tuple[str, ...], models: Models, *,
     return 0.0
 
 
-def _buckets(expo: Exposition, family: str, models: Models, *, streaming_only: bool) -> Buckets:
-    """Cumulative bucket counts summed across label sets per ``le``.
+def _buckets(expo: Exposition, family: str, models: Models, *,
+             streaming_only: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Cumulative bucket counts summed across label sets per ``le``: (bounds, counts), sorted
+    by bound.
 
     Summing cumulative counts of several series bucket by bucket yields the cumulative
     histogram of their union (all EPP flows share one bucket layout).
@@ -132,8 +137,10 @@ def _buckets(expo: Exposition, family: str, models: Models, *, streaming_only: b
     for labels, value in expo.samples.get(family, ()):
         if streaming_only and labels.get("streaming") != "true":
             continue
-        if not _is_ours(labels, models):
-            continue
+        if models is not None:  # _is_ours, inline: a histogram has a line per bucket
+            model = labels.get("model_name")
+            if model is not None and model not in models:
+                continue
         le_text = labels.get("le")
         if le_text is None or math.isnan(value):
             continue
@@ -142,7 +149,10 @@ def _buckets(expo: Exposition, family: str, models: Models, *, streaming_only: b
         except ValueError:
             continue
         per_le[le] = per_le.get(le, 0.0) + value
-    return tuple(sorted(per_le.items()))
+    if not per_le:
+        return (), ()
+    bounds, counts = zip(*sorted(per_le.items()), strict=True)
+    return bounds, counts
 
 
 def _sum_count(expo: Exposition, histograms: tuple[str, ...], models: Models = None) -> tuple[float, float]:
@@ -169,16 +179,16 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
             if labels.get("finished_reason") not in _VLLM_NOT_ANSWERED:
                 successes += value
         tpot_sum, tpot_count = _sum_count(expo, _VLLM_TPOT)
+        bounds, counts = _buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False)
         return _Snapshot(at=now, source="vllm", successes=successes, completed=completed,
-                         failures=None,
-                         ttft=_buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False),
+                         failures=None, ttft_bounds=bounds, ttft_counts=counts,
                          tpot_sum=tpot_sum, tpot_count=tpot_count)
     successes = _total(expo, _EPP_SUCCESS, models)
     failures = _total(expo, _EPP_ERRORS, models, skip_empty_model=True)
     tpot_sum, tpot_count = _sum_count(expo, _EPP_TPOT, models)
+    bounds, counts = _buckets(expo, _EPP_TTFT_BUCKET, models, streaming_only=True)
     return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
-                     failures=failures,
-                     ttft=_buckets(expo, _EPP_TTFT_BUCKET, models, streaming_only=True),
+                     failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                      tpot_sum=tpot_sum, tpot_count=tpot_count)
 
 
@@ -190,12 +200,11 @@ def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
     """
     if prev.source != cur.source or cur.at < prev.at:
         return True
-    if prev.ttft and cur.ttft and [le for le, _ in prev.ttft] != [le for le, _ in cur.ttft]:
-        return True
-    if prev.ttft and not cur.ttft:
+    if prev.ttft_bounds and cur.ttft_bounds != prev.ttft_bounds:
         return True
     # prev may lack the TTFT buckets (no streaming request yet): compare what both have.
-    return any(c < p for p, c in zip(prev.counters(), cur.counters(), strict=False))
+    return (any(c < p for p, c in zip(prev.scalars(), cur.scalars(), strict=True))
+            or any(map(operator.lt, cur.ttft_counts, prev.ttft_counts)))
 
 
 def histogram_quantile(q: float, buckets: Buckets) -> float | None:
@@ -311,8 +320,12 @@ class LatencyWindow:
         completed = cur.completed - base.completed
         if completed < self.min_completed:
             return None
-        ttft = tuple((le, count - base_count) for (le, count), (_, base_count)
-                     in zip(cur.ttft, base.ttft, strict=True)) if base.ttft else cur.ttft
+        counts = cur.ttft_counts
+        if base.ttft_counts:
+            if len(base.ttft_counts) != len(counts):
+                raise ValueError("bucket layouts differ inside one window")  # _is_reset prevents it
+            counts = tuple(map(operator.sub, counts, base.ttft_counts))
+        ttft = tuple(zip(cur.ttft_bounds, counts, strict=True))
         tpot_count = cur.tpot_count - base.tpot_count
         tpot = (cur.tpot_sum - base.tpot_sum) / tpot_count if tpot_count > 0 else None
         error_ratio = None

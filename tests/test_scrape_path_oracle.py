@@ -1,0 +1,307 @@
+"""The per-body scrape path (parse -> kind check -> derive -> latency window) against a
+straightforward reference, on the reference samples and on generated EPP and vLLM bodies.
+
+The reference parses line by line with the full grammar (_parse_line) and the documented
+malformed-count rule, hands derive the samples it read, and its latency window (below)
+differences (bound, count) pairs as gridd's window did before it kept bounds and counts
+apart. Samples, malformed counts, kind mismatches, derivations and latency blocks, engine
+answers and resets must all be equal.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import random
+from collections.abc import Container
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
+from gridd.core.exposition import Exposition, _parse_line, parse_exposition
+from gridd.core.latency import (
+    _EPP_ERRORS,
+    _EPP_SUCCESS,
+    _EPP_TPOT,
+    _EPP_TTFT_BUCKET,
+    _VLLM_SUCCESS,
+    _VLLM_TPOT,
+    _VLLM_TTFT_BUCKET,
+    LatencyWindow,
+    histogram_quantile,
+)
+from gridd.core.readings import LatencyBlock
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+MODEL = "m"
+LEADING_NAME = "[a-zA-Z_:][a-zA-Z0-9_:]*"
+
+
+def reference_parse(text: str, wanted: Container[str] | None) -> tuple[Samples, int]:
+    """Every line by the full grammar; a malformed line counts unless its leading name is a
+    valid name that is not wanted (docs/metrics.md: grid_provider_parse_dropped_lines_total)."""
+    import re
+
+    samples: Samples = {}
+    malformed = 0
+    for line in text.split("\n"):
+        parsed = _parse_line(line)
+        if parsed is None:
+            head = re.match(rf"[ \t]*({LEADING_NAME})", line)
+            malformed += wanted is None or head is None or head.group(1) in wanted
+        elif parsed:
+            name, labels, value = parsed
+            if wanted is None or name in wanted:
+                samples.setdefault(name, []).append((labels, value))
+    return samples, malformed
+
+
+def plain_exposition(samples: Samples, malformed: int) -> Exposition:
+    """An Exposition holding the reference's samples."""
+    expo = Exposition()
+    expo.samples.update({name: list(series) for name, series in samples.items()})
+    expo.malformed_lines = malformed
+    return expo
+
+
+def comparable(samples: Samples) -> dict[str, list[tuple[dict[str, str], object]]]:
+    return {name: [(labels, "NaN" if math.isnan(v) else v) for labels, v in series]
+            for name, series in samples.items()}
+
+
+# --- the reference latency window: (bound, count) pairs, as the window kept them before ---
+
+def _ours(labels: dict[str, str], models: frozenset[str] | None) -> bool:
+    return models is None or labels.get("model_name") is None or labels["model_name"] in models
+
+
+def _ref_snapshot(now: float, samples: Samples, kind: str, models: frozenset[str] | None) -> dict:
+    def rows(name: str) -> list[tuple[dict[str, str], float]]:
+        return samples.get(name, [])
+
+    def total(families: tuple[str, ...], skip_empty: bool = False) -> float:
+        for family in families:
+            if rows(family):
+                return sum(v for labels, v in rows(family) if math.isfinite(v) and _ours(labels, models)
+                           and not (skip_empty and labels.get("model_name") == ""))
+        return 0.0
+
+    def sum_count(histograms: tuple[str, ...], models_: frozenset[str] | None) -> tuple[float, float]:
+        for name in histograms:
+            if rows(f"{name}_count"):
+                picked = [[v for labels, v in rows(name + part)
+                           if math.isfinite(v) and _ours(labels, models_)] for part in ("_sum", "_count")]
+                return sum(picked[0]), sum(picked[1])
+        return 0.0, 0.0
+
+    def buckets(family: str, models_: frozenset[str] | None, streaming_only: bool) -> tuple:
+        per_le: dict[float, float] = {}
+        for labels, value in rows(family):
+            if streaming_only and labels.get("streaming") != "true" or not _ours(labels, models_):
+                continue
+            if labels.get("le") is None or math.isnan(value):
+                continue
+            try:
+                le = float(labels["le"])
+            except ValueError:
+                continue
+            per_le[le] = per_le.get(le, 0.0) + value
+        return tuple(sorted(per_le.items()))
+
+    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in samples)):
+        completed = sum(v for _, v in rows(_VLLM_SUCCESS) if math.isfinite(v))
+        successes = sum(v for labels, v in rows(_VLLM_SUCCESS)
+                        if math.isfinite(v) and labels.get("finished_reason") not in ("abort", "error"))
+        tpot = sum_count(_VLLM_TPOT, None)
+        return dict(at=now, source="vllm", successes=successes, completed=completed, failures=None,
+                    ttft=buckets(_VLLM_TTFT_BUCKET, None, False), tpot=tpot)
+    successes, failures = total(_EPP_SUCCESS), total(_EPP_ERRORS, skip_empty=True)
+    return dict(at=now, source="epp", successes=successes, completed=successes + failures, failures=failures,
+                ttft=buckets(_EPP_TTFT_BUCKET, models, True), tpot=sum_count(_EPP_TPOT, models))
+
+
+def _counters(snap: dict) -> list[float]:
+    return [snap["successes"], snap["completed"], snap["failures"] or 0.0, *snap["tpot"],
+            *(count for _, count in snap["ttft"])]
+
+
+class ReferenceWindow:
+    def __init__(self, kind: str, models: frozenset[str] | None, window_s: float = 5.0) -> None:
+        self.kind, self.models, self.window_s = kind, models, window_s
+        self.snapshots: list[dict] = []
+        self.answered = False
+        self.resets = 0
+
+    def observe(self, now: float, samples: Samples) -> LatencyBlock | None:
+        snap = _ref_snapshot(now, samples, self.kind, self.models)
+        self.answered = False
+        if self.snapshots:
+            prev = self.snapshots[-1]
+            layouts = [le for le, _ in prev["ttft"]], [le for le, _ in snap["ttft"]]
+            if (prev["source"] != snap["source"] or snap["at"] < prev["at"]
+                    or (prev["ttft"] and snap["ttft"] and layouts[0] != layouts[1])
+                    or (prev["ttft"] and not snap["ttft"])
+                    or any(c < p for p, c in zip(_counters(prev), _counters(snap), strict=False))):
+                self.snapshots.clear()
+                self.resets += 1
+            elif snap["successes"] > prev["successes"]:
+                self.answered = True
+        self.snapshots.append(snap)
+        self.snapshots = [s for s in self.snapshots if s["at"] >= now - self.window_s]
+        base = self.snapshots[0]
+        if base is snap or snap["completed"] - base["completed"] < 1:
+            return None
+        completed = snap["completed"] - base["completed"]
+        ttft = tuple((le, c - b) for (le, c), (_, b) in zip(snap["ttft"], base["ttft"], strict=True)) \
+            if base["ttft"] else snap["ttft"]
+        tpot_count = snap["tpot"][1] - base["tpot"][1]
+        return LatencyBlock(
+            window_s=snap["at"] - base["at"],
+            completed=min(2**53, int(round(completed))),
+            ttft_p50_s=histogram_quantile(0.5, ttft),
+            ttft_p90_s=histogram_quantile(0.9, ttft),
+            tpot_s=(snap["tpot"][0] - base["tpot"][0]) / tpot_count if tpot_count > 0 else None,
+            error_ratio=None if snap["failures"] is None or base["failures"] is None
+            else (snap["failures"] - base["failures"]) / completed,
+        )
+
+
+def same(a: object, b: object) -> bool:
+    """Equal, NaN equal to NaN (repr of msgspec structs and floats shows it)."""
+    return a == b or repr(a) == repr(b)
+
+
+def check_path(bodies: list[str], kind: str, pool: str | None = None) -> None:
+    """Parse, derive and observe each body through gridd and through the reference."""
+    window = LatencyWindow(window_s=5.0, min_completed=1, kind=kind, models=frozenset({MODEL}))
+    reference = ReferenceWindow(kind, frozenset({MODEL}))
+    for now, body in enumerate(bodies):
+        expected, malformed = reference_parse(body, WANTED_SAMPLES)
+        expo = parse_exposition(body.encode(), WANTED_SAMPLES)
+        assert (comparable(expo.samples), expo.malformed_lines) == (comparable(expected), malformed)
+        plain = plain_exposition(expected, malformed)
+        assert kind_mismatch(expo, kind) == kind_mismatch(plain, kind)
+        assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind),
+                    derive(plain, pool=pool, queue_full_at=2, kind=kind))
+        block = window.observe(float(now), expo)
+        assert same(block, reference.observe(float(now), expected)), now
+        assert window.answered_on_last_observe == reference.answered
+        assert window.resets == reference.resets
+
+
+# --- generated bodies -----------------------------------------------------------------
+
+def render(name: str, labels: list[tuple[str, str]], value: str) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels)
+    return f"{name}{{{inner}}} {value}" if labels else f"{name} {value}"
+
+
+LABEL_VALUES = ["p", "q", MODEL, "x", "", "true", "false", 'a\\"b', "c\\\\d", "e\\nf", "0"]
+GAUGES = ["llm_d_epp_ready_endpoints", "inference_pool_ready_pods", "llm_d_epp_average_running_requests",
+          "llm_d_epp_average_queue_size", "llm_d_epp_average_kv_cache_utilization",
+          "llm_d_epp_std_dev_kv_cache_utilization", "llm_d_epp_per_endpoint_queue_size",
+          "inference_pool_per_pod_queue_size", "llm_d_epp_inflight_requests",
+          "llm_d_epp_flow_control_queue_size", "vllm:num_requests_running", "vllm:num_requests_waiting",
+          "vllm:kv_cache_usage_perc", "llm_d_epp_request_duration_seconds_count",
+          "llm_d_epp_request_error_total", "llm_d_epp_request_streaming_tpot_seconds_sum",
+          "llm_d_epp_request_streaming_tpot_seconds_count", "vllm:request_success_total",
+          "vllm:request_time_per_output_token_seconds_sum",
+          "vllm:request_time_per_output_token_seconds_count", "go_goroutines"]
+GAUGE_LABELS = ["name", "model_server_endpoint", "model_server_pod", "endpoint_name", "namespace",
+                "producer_name", "inference_pool", "engine", "model_name", "finished_reason", "error_code"]
+BUCKETS = [_EPP_TTFT_BUCKET, _VLLM_TTFT_BUCKET, "llm_d_epp_request_duration_seconds_bucket"]
+LES = ["0.1", "0.5", "1", "2.5", "+Inf", "1.0", "NaN", "x"]
+VALUES = ["0", "1", "3", "7", "12.5", "-1", "NaN", "+Inf", "-Inf", "1e3", "1_0", "x"]
+
+
+@st.composite
+def histogram_lines(draw) -> list[str]:
+    """One series' bucket lines: random label order, le last (mostly) or not, cumulative
+    counts (mostly), some lines edited, duplicated, or given a timestamp."""
+    name = draw(st.sampled_from(BUCKETS))
+    labels = [(k, draw(st.sampled_from(LABEL_VALUES)))
+              for k in draw(st.lists(st.sampled_from(["model_name", "streaming", "fairness_id", "engine"]),
+                                     unique=True, max_size=4))]
+    les = sorted(draw(st.lists(st.sampled_from(LES), unique=True, min_size=1, max_size=5)), key=LES.index)
+    at = len(labels) if draw(st.integers(0, 4)) else draw(st.integers(0, len(labels)))
+    total = 0
+    lines = []
+    for le in les:
+        total += draw(st.integers(0, 5))
+        value = str(total) if draw(st.integers(0, 6)) else draw(st.sampled_from(VALUES))
+        line = render(name, [*labels[:at], ("le", le), *labels[at:]], value)
+        edit = draw(st.sampled_from(["", "", "", "", "", "timestamp", "dup", "cut", "space", "brace"]))
+        if edit == "timestamp":
+            line += " 1700000000000"
+        elif edit == "dup":
+            lines.append(line)
+        elif edit == "cut":
+            line = line[: draw(st.integers(0, len(line)))]
+        elif edit == "space":
+            line = line.replace("{", " {", 1)
+        elif edit == "brace":
+            line = line.replace('"} ', '"}', 1)
+        lines.append(line)
+    return lines
+
+
+@st.composite
+def gauge_lines(draw) -> list[str]:
+    name = draw(st.sampled_from(GAUGES))
+    keys = draw(st.lists(st.sampled_from(GAUGE_LABELS), unique=True, max_size=4))
+    lines = []
+    for _ in range(draw(st.integers(1, 3))):
+        labels = [(k, draw(st.sampled_from(LABEL_VALUES))) for k in keys]
+        lines.append(render(name, labels, draw(st.sampled_from(VALUES))))
+    return lines
+
+
+@st.composite
+def bodies(draw) -> str:
+    lines: list[str] = []
+    for _ in range(draw(st.integers(0, 8))):
+        part = draw(st.sampled_from(["histogram", "histogram", "gauge", "gauge", "comment", "junk"]))
+        if part == "histogram":
+            lines += draw(histogram_lines())
+        elif part == "gauge":
+            lines += draw(gauge_lines())
+        elif part == "comment":
+            name = draw(st.sampled_from(GAUGES + BUCKETS))
+            lines += [f"# HELP {name} Some help.", f"# TYPE {name} gauge", ""]
+        else:
+            lines.append(draw(st.sampled_from(["<html>", "  llm_d_epp_ready_endpoints 3", "7 7", "{}",
+                                               '\tllm_d_epp_ready_endpoints{name="p"} 2'])))
+    return draw(st.sampled_from(["\n", "\r\n"])).join(lines)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(bodies(), min_size=1, max_size=4), st.sampled_from(["auto", "epp", "vllm"]),
+       st.sampled_from([None, "p"]))
+def test_generated_bodies_take_the_reference_path(bodies: list[str], kind: str, pool: str | None) -> None:
+    check_path(bodies, kind, pool)
+
+
+SAMPLES_DIR = pathlib.Path(__file__).parent / "data" / "samples"
+
+
+@pytest.mark.parametrize("filename", sorted(p.name for p in SAMPLES_DIR.glob("*.prom")))
+def test_reference_samples_take_the_reference_path(filename: str) -> None:
+    """Each sample scraped several times with its counters moving (and once going back:
+    a reset), in every kind."""
+    text = (SAMPLES_DIR / filename).read_text()
+    rng = random.Random(filename)
+    bodies = []
+    for scrape in (0, 1, 2, 3, 1, 2):
+        moved = []
+        for line in text.split("\n"):
+            head, _, value = line.rpartition(" ")
+            counter = any(part in head for part in ("_count", "_total", "_bucket"))
+            if line and not line.startswith("#") and counter:
+                value = repr(float(value) + 3 * scrape)
+            moved.append(f"{head} {value}" if head else line)
+        bodies.append("\n".join(moved))
+    rng.shuffle(bodies[4:])
+    for kind in ("auto", "epp", "vllm"):
+        check_path(bodies, kind)
