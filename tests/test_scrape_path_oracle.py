@@ -1,11 +1,12 @@
 """The per-body scrape path (parse -> kind check -> derive -> latency window) against a
 straightforward reference, on the reference samples and on generated EPP and vLLM bodies.
 
-The reference parses line by line with the full grammar (_parse_line) and the documented
-malformed-count rule, hands derive the samples it read, and its latency window (below)
-differences (bound, count) pairs as gridd's window did before it kept bounds and counts
-apart. Samples, malformed counts, kind mismatches, derivations and latency blocks, engine
-answers and resets must all be equal.
+The parse keeps a histogram series' bucket lines as one run (gridd.core.exposition.BucketRun)
+and the latency window reads them as runs. The reference parses line by line with the full
+grammar (_parse_line) and the documented malformed-count rule, hands derive plain (labels
+dict, value) samples, and its latency window (below) differences (bound, count) pairs as
+gridd's window did before. Samples (as `samples` and as `series`), malformed counts, kind
+mismatches, derivations, latency blocks, engine answers and resets must all be equal.
 """
 
 from __future__ import annotations
@@ -179,8 +180,13 @@ def check_path(bodies: list[str], kind: str, pool: str | None = None) -> None:
     reference = ReferenceWindow(kind, frozenset({MODEL}))
     for now, body in enumerate(bodies):
         expected, malformed = reference_parse(body, WANTED_SAMPLES)
+        # Reading `samples` writes the bucket runs out as samples; the consumers read a parse
+        # whose runs are still runs, as on the operator's path.
+        written = parse_exposition(body.encode(), WANTED_SAMPLES)
+        assert (comparable(written.samples), written.malformed_lines) == (comparable(expected), malformed)
+        by_name = parse_exposition(body.encode(), WANTED_SAMPLES)
+        assert comparable({name: by_name.series(name) for name in expected}) == comparable(expected)
         expo = parse_exposition(body.encode(), WANTED_SAMPLES)
-        assert (comparable(expo.samples), expo.malformed_lines) == (comparable(expected), malformed)
         plain = plain_exposition(expected, malformed)
         assert kind_mismatch(expo, kind) == kind_mismatch(plain, kind)
         assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind),

@@ -42,7 +42,7 @@ import operator
 from collections import deque
 from dataclasses import dataclass
 
-from gridd.core.exposition import Exposition
+from gridd.core.exposition import BucketRun, Exposition
 from gridd.core.readings import LatencyBlock
 
 __all__ = [
@@ -118,7 +118,7 @@ def _total(expo: Exposition, families: tuple[str, ...], models: Models, *,
     """Sum of the first family present (canonical before legacy; never both: an EPP from
     v0.9 on emits both under dual emission, and adding them would count twice)."""
     for family in families:
-        rows = expo.samples.get(family)
+        rows = expo.series(family)
         if rows:
             return sum(v for labels, v in rows if math.isfinite(v) and _is_ours(labels, models)
                        and not (skip_empty_model and labels.get("model_name") == ""))
@@ -134,7 +134,17 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     histogram of their union (all EPP flows share one bucket layout).
     """
     per_le: dict[float, float] = {}
-    for labels, value in expo.samples.get(family, ()):
+    for entry in expo.entries(family):
+        if isinstance(entry, BucketRun):
+            # One series' buckets (gridd.core.exposition.BucketRun): its labels read once.
+            if (streaming_only and entry.labels.get("streaming") != "true"
+                    or not _is_ours(entry.labels, models)):
+                continue
+            for bound, value in zip(entry.les, entry.values, strict=True):
+                if not math.isnan(value):
+                    _add_bucket(per_le, bound, value)
+            continue
+        labels, value = entry
         if streaming_only and labels.get("streaming") != "true":
             continue
         if models is not None:  # _is_ours, inline: a histogram has a line per bucket
@@ -142,24 +152,28 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
             if model is not None and model not in models:
                 continue
         le_text = labels.get("le")
-        if le_text is None or math.isnan(value):
-            continue
-        try:
-            le = float(le_text)
-        except ValueError:
-            continue
-        per_le[le] = per_le.get(le, 0.0) + value
+        if le_text is not None and not math.isnan(value):
+            _add_bucket(per_le, le_text, value)
     if not per_le:
         return (), ()
     bounds, counts = zip(*sorted(per_le.items()), strict=True)
     return bounds, counts
 
 
+def _add_bucket(per_le: dict[float, float], le_text: str, value: float) -> None:
+    """Add one bucket's count under its bound; a bound that is no number is skipped."""
+    try:
+        le = float(le_text)
+    except ValueError:
+        return
+    per_le[le] = per_le.get(le, 0.0) + value
+
+
 def _sum_count(expo: Exposition, histograms: tuple[str, ...], models: Models = None) -> tuple[float, float]:
     for name in histograms:
-        count_rows = expo.samples.get(f"{name}_count")
+        count_rows = expo.series(f"{name}_count")
         if count_rows:
-            total = sum(v for labels, v in expo.samples.get(f"{name}_sum", ())
+            total = sum(v for labels, v in expo.series(f"{name}_sum")
                         if math.isfinite(v) and _is_ours(labels, models))
             return total, sum(v for labels, v in count_rows if math.isfinite(v) and _is_ours(labels, models))
     return 0.0, 0.0
@@ -170,9 +184,9 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
     body has any vllm:* series. models: applies to the EPP's rows only (an engine serves
     one model, labelled with its first --served-model-name, which need not be the
     provider's name)."""
-    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.samples)):
+    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names())):
         successes = completed = 0.0
-        for labels, value in expo.samples.get(_VLLM_SUCCESS, ()):
+        for labels, value in expo.series(_VLLM_SUCCESS):
             if not math.isfinite(value):
                 continue
             completed += value
