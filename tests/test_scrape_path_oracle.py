@@ -31,6 +31,7 @@ from gridd.core.latency import (
     _VLLM_TPOT,
     _VLLM_TTFT_BUCKET,
     LatencyWindow,
+    _buckets,
     histogram_quantile,
 )
 from gridd.core.readings import LatencyBlock
@@ -98,18 +99,7 @@ def _ref_snapshot(now: float, samples: Samples, kind: str, models: frozenset[str
         return 0.0, 0.0
 
     def buckets(family: str, models_: frozenset[str] | None, streaming_only: bool) -> tuple:
-        per_le: dict[float, float] = {}
-        for labels, value in rows(family):
-            if streaming_only and labels.get("streaming") != "true" or not _ours(labels, models_):
-                continue
-            if labels.get("le") is None or math.isnan(value):
-                continue
-            try:
-                le = float(labels["le"])
-            except ValueError:
-                continue
-            per_le[le] = per_le.get(le, 0.0) + value
-        return tuple(sorted(per_le.items()))
+        return _ref_buckets(samples, family, models_, streaming_only)
 
     if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in samples)):
         completed = sum(v for _, v in rows(_VLLM_SUCCESS) if math.isfinite(v))
@@ -121,6 +111,22 @@ def _ref_snapshot(now: float, samples: Samples, kind: str, models: frozenset[str
     successes, failures = total(_EPP_SUCCESS), total(_EPP_ERRORS, skip_empty=True)
     return dict(at=now, source="epp", successes=successes, completed=successes + failures, failures=failures,
                 ttft=buckets(_EPP_TTFT_BUCKET, models, True), tpot=sum_count(_EPP_TPOT, models))
+
+
+def _ref_buckets(samples: Samples, family: str, models: frozenset[str] | None, streaming_only: bool) -> tuple:
+    """Cumulative counts summed per bound, bucket line by bucket line."""
+    per_le: dict[float, float] = {}
+    for labels, value in samples.get(family, []):
+        if streaming_only and labels.get("streaming") != "true" or not _ours(labels, models):
+            continue
+        if labels.get("le") is None or math.isnan(value):
+            continue
+        try:
+            le = float(labels["le"])
+        except ValueError:
+            continue
+        per_le[le] = per_le.get(le, 0.0) + value
+    return tuple(sorted(per_le.items()))
 
 
 def _counters(snap: dict) -> list[float]:
@@ -191,6 +197,12 @@ def check_path(bodies: list[str], kind: str, pool: str | None = None) -> None:
         assert kind_mismatch(expo, kind) == kind_mismatch(plain, kind)
         assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind),
                     derive(plain, pool=pool, queue_full_at=2, kind=kind))
+        for family, streaming_only, models in ((_EPP_TTFT_BUCKET, True, frozenset({MODEL})),
+                                               (_VLLM_TTFT_BUCKET, False, None)):
+            # The summed histogram itself, not only the quantiles read from it.
+            bounds, counts = _buckets(expo, family, models, streaming_only=streaming_only)
+            assert same(tuple(zip(bounds, counts, strict=True)),
+                        _ref_buckets(expected, family, models, streaming_only))
         block = window.observe(float(now), expo)
         assert same(block, reference.observe(float(now), expected)), now
         assert window.answered_on_last_observe == reference.answered
@@ -219,6 +231,9 @@ GAUGE_LABELS = ["name", "model_server_endpoint", "model_server_pod", "endpoint_n
                 "producer_name", "inference_pool", "engine", "model_name", "finished_reason", "error_code"]
 BUCKETS = [_EPP_TTFT_BUCKET, _VLLM_TTFT_BUCKET, "llm_d_epp_request_duration_seconds_bucket"]
 LES = ["0.1", "0.5", "1", "2.5", "+Inf", "1.0", "NaN", "x"]
+COMMON_LES = ["0.1", "0.5", "1", "2.5", "+Inf"]
+# Mostly the series the latency window counts: streaming, the provider's model.
+BUCKET_LABEL_VALUES = {"streaming": ["true", "true", "false", 'a\\"b'], "model_name": [MODEL, MODEL, "x", ""]}
 VALUES = ["0", "1", "3", "7", "12.5", "-1", "NaN", "+Inf", "-Inf", "1e3", "1_0", "x"]
 
 
@@ -227,10 +242,12 @@ def histogram_lines(draw) -> list[str]:
     """One series' bucket lines: random label order, le last (mostly) or not, cumulative
     counts (mostly), some lines edited, duplicated, or given a timestamp."""
     name = draw(st.sampled_from(BUCKETS))
-    labels = [(k, draw(st.sampled_from(LABEL_VALUES)))
-              for k in draw(st.lists(st.sampled_from(["model_name", "streaming", "fairness_id", "engine"]),
-                                     unique=True, max_size=4))]
-    les = sorted(draw(st.lists(st.sampled_from(LES), unique=True, min_size=1, max_size=5)), key=LES.index)
+    keys = draw(st.lists(st.sampled_from(["model_name", "streaming", "fairness_id", "engine"]),
+                         unique=True, max_size=4))
+    labels = [(k, draw(st.sampled_from(BUCKET_LABEL_VALUES.get(k, LABEL_VALUES)))) for k in keys]
+    # Mostly one bucket layout for every series, as a client library writes a histogram.
+    les = COMMON_LES if draw(st.integers(0, 2)) else sorted(
+        draw(st.lists(st.sampled_from(LES), unique=True, min_size=1, max_size=5)), key=LES.index)
     at = len(labels) if draw(st.integers(0, 4)) else draw(st.integers(0, len(labels)))
     total = 0
     lines = []
@@ -311,3 +328,35 @@ def test_reference_samples_take_the_reference_path(filename: str) -> None:
     rng.shuffle(bodies[4:])
     for kind in ("auto", "epp", "vllm"):
         check_path(bodies, kind)
+
+
+TTFT = _EPP_TTFT_BUCKET
+ON = f'model_name="{MODEL}",streaming="true"'
+OTHER = f'model_name="{MODEL}",streaming="true",x="1"'
+
+
+def run_of(labels: str, *buckets: tuple[str, str]) -> str:
+    """One series' bucket lines, le last."""
+    return "\n".join(f'{TTFT}{{{labels},le="{le}"}} {value}' for le, value in buckets)
+
+
+EDGE_BODIES = {
+    "nan-count": [run_of(ON, ("0.5", "1"), ("+Inf", "NaN")), run_of(ON, ("0.5", "2"), ("+Inf", "4"))],
+    "same-bound-twice": [run_of(ON, ("1", "1"), ("1.0", "2"), ("+Inf", "3"))] * 2,
+    # Two series: every NaN bound is a bound of its own, bucket by bucket.
+    "nan-bound": ["\n".join([run_of(ON, ("NaN", "1"), ("+Inf", "3")),
+                             run_of(OTHER, ("NaN", "1"), ("+Inf", "2"))])] * 2,
+    "interrupted-run": [run_of(ON, ("0.5", "1"), ("1", "2 17"), ("+Inf", "3"))] * 2,
+    "other-layouts": [
+        "\n".join([run_of(ON, ("0.5", "1"), ("+Inf", "3")), run_of(OTHER, ("0.25", "1"), ("+Inf", "2"))]),
+        "\n".join([run_of(ON, ("0.5", "2"), ("+Inf", "5")), run_of(OTHER, ("0.25", "2"), ("+Inf", "4"))]),
+    ],
+    "le-not-last": [f'{TTFT}{{le="0.5",{ON}}} 1\n{TTFT}{{le="+Inf",{ON}}} 3'] * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_BODIES))
+def test_bucket_edge_cases_take_the_reference_path(name: str) -> None:
+    """Bucket runs that the summing shortcut must leave to the bucket-by-bucket loop."""
+    for kind in ("auto", "epp"):
+        check_path(EDGE_BODIES[name], kind)

@@ -388,7 +388,7 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
     run_bucket: BucketRun | None = None
 
     for line in lines:
-        if line.startswith(run):
+        if line[:run_len] == run:
             if run_skip:
                 continue
             # The last value, up to the first '"} ', and the token after it. With no

@@ -133,24 +133,29 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     Summing cumulative counts of several series bucket by bucket yields the cumulative
     histogram of their union (all EPP flows share one bucket layout).
     """
-    per_le: dict[float, float] = {}
+    counted: list[BucketRun | tuple[dict[str, str], float]] = []
     for entry in expo.entries(family):
-        if isinstance(entry, BucketRun):
-            # One series' buckets (gridd.core.exposition.BucketRun): its labels read once.
-            if (streaming_only and entry.labels.get("streaming") != "true"
-                    or not _is_ours(entry.labels, models)):
-                continue
-            for bound, value in zip(entry.les, entry.values, strict=True):
-                if not math.isnan(value):
-                    _add_bucket(per_le, bound, value)
-            continue
-        labels, value = entry
+        labels = entry.labels if isinstance(entry, BucketRun) else entry[0]
         if streaming_only and labels.get("streaming") != "true":
             continue
         if models is not None:  # _is_ours, inline: a histogram has a line per bucket
             model = labels.get("model_name")
             if model is not None and model not in models:
                 continue
+        counted.append(entry)
+    if not counted:
+        return (), ()
+    summed = _same_layout_sum(counted)
+    if summed is not None:
+        return summed
+    per_le: dict[float, float] = {}
+    for entry in counted:
+        if isinstance(entry, BucketRun):
+            for bound, value in zip(entry.les, entry.values, strict=True):
+                if not math.isnan(value):
+                    _add_bucket(per_le, bound, value)
+            continue
+        labels, value = entry
         le_text = labels.get("le")
         if le_text is not None and not math.isnan(value):
             _add_bucket(per_le, le_text, value)
@@ -158,6 +163,30 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
         return (), ()
     bounds, counts = zip(*sorted(per_le.items()), strict=True)
     return bounds, counts
+
+
+def _same_layout_sum(counted: list[BucketRun | tuple[dict[str, str], float]]
+                     ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """_buckets' sums in C-level steps when every series counted is a BucketRun with the same
+    le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
+    Each bound's sum adds the same counts in the same order as the per-bucket loop."""
+    first = counted[0]
+    if not isinstance(first, BucketRun):
+        return None
+    texts = first.les
+    try:
+        bounds = list(map(float, texts))
+    except ValueError:
+        return None
+    if any(map(math.isnan, bounds)) or len(set(bounds)) != len(bounds):
+        return None
+    sums = [0.0] * len(bounds)
+    for run in counted:
+        if not isinstance(run, BucketRun) or run.les != texts or any(map(math.isnan, run.values)):
+            return None
+        sums = list(map(operator.add, sums, run.values))
+    ordered, counts = zip(*sorted(zip(bounds, sums, strict=True)), strict=True)
+    return ordered, counts
 
 
 def _add_bucket(per_le: dict[float, float], le_text: str, value: float) -> None:
