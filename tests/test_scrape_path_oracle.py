@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import pathlib
 import random
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -129,6 +129,31 @@ def _ref_buckets(samples: Samples, family: str, models: frozenset[str] | None, s
     return tuple(sorted(per_le.items()))
 
 
+def _quantile(q: float, buckets: tuple) -> float | None:
+    """histogram_quantile, bucket by bucket as it was written first."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf:
+        return None
+    bounds: list[float] = []
+    counts: list[float] = []
+    running_max = 0.0
+    for bound, count in buckets:
+        running_max = max(running_max, count)
+        bounds.append(bound)
+        counts.append(running_max)
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    b = next(i for i, count in enumerate(counts) if count >= rank)
+    if b == len(counts) - 1:
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start = 0.0 if b == 0 else bounds[b - 1]
+    below = 0.0 if b == 0 else counts[b - 1]
+    return start + (bounds[b] - start) * (rank - below) / (counts[b] - below)
+
+
 def _counters(snap: dict) -> list[float]:
     return [snap["successes"], snap["completed"], snap["failures"] or 0.0, *snap["tpot"],
             *(count for _, count in snap["ttft"])]
@@ -167,8 +192,8 @@ class ReferenceWindow:
         return LatencyBlock(
             window_s=snap["at"] - base["at"],
             completed=min(2**53, int(round(completed))),
-            ttft_p50_s=histogram_quantile(0.5, ttft),
-            ttft_p90_s=histogram_quantile(0.9, ttft),
+            ttft_p50_s=_quantile(0.5, ttft),
+            ttft_p90_s=_quantile(0.9, ttft),
             tpot_s=(snap["tpot"][0] - base["tpot"][0]) / tpot_count if tpot_count > 0 else None,
             error_ratio=None if snap["failures"] is None or base["failures"] is None
             else (snap["failures"] - base["failures"]) / completed,
@@ -360,3 +385,23 @@ def test_bucket_edge_cases_take_the_reference_path(name: str) -> None:
     """Bucket runs that the summing shortcut must leave to the bucket-by-bucket loop."""
     for kind in ("auto", "epp"):
         check_path(EDGE_BODIES[name], kind)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.0, 0.1, 0.5, 1.0, 2.0, 5.0]),
+                          st.one_of(st.integers(-3, 50).map(float), st.sampled_from([math.nan, math.inf]))),
+                max_size=6),
+       st.sampled_from([0.0, 0.25, 0.5, 0.9, 0.99, 1.0]), st.booleans())
+def test_histogram_quantile_matches_the_bucket_by_bucket_reference(pairs, q: float, inf_last: bool) -> None:
+    """Dips, NaN and infinite counts, zero and repeated bounds, no +Inf bucket."""
+    buckets = tuple(sorted(pairs)) + (((math.inf, 40.0),) if inf_last else ())
+
+    def outcome(quantile: Callable[[float, tuple], float | None]) -> str:
+        try:
+            return repr(quantile(q, buckets))
+        # q = 0 on an empty first bucket divides 0 by 0; a NaN rank (0 * an infinite total)
+        # is reached by no bucket. Both the same, exception for exception.
+        except (ZeroDivisionError, StopIteration) as error:
+            return type(error).__name__
+
+    assert outcome(histogram_quantile) == outcome(_quantile)

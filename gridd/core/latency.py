@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import math
 import operator
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from gridd.core.exposition import BucketRun, Exposition
 from gridd.core.readings import LatencyBlock
@@ -261,20 +264,28 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     """
     if len(buckets) < 2 or buckets[-1][0] != math.inf:
         return None
-    # Prometheus' ensureMonotonic: deltas of cumulative counts taken at slightly different
-    # instants can dip; a bucket never holds fewer than the one below it.
-    bounds: list[float] = []
-    counts: list[float] = []
-    running_max = 0.0
-    for bound, count in buckets:
-        running_max = max(running_max, count)
-        bounds.append(bound)
-        counts.append(running_max)
+    bounds, counts = zip(*buckets, strict=True)
+    return _quantile(q, bounds, _monotonic(counts))
+
+
+def _monotonic(counts: Iterable[float]) -> list[float]:
+    """Prometheus' ensureMonotonic: deltas of cumulative counts taken at slightly different
+    instants can dip; a bucket never holds fewer than the one below it (a running max from
+    0, NaN counts left out by max)."""
+    return list(accumulate(counts, max, initial=0.0))[1:]
+
+
+def _quantile(q: float, bounds: Sequence[float], counts: list[float]) -> float | None:
+    """histogram_quantile on bounds ending with +Inf and their _monotonic counts."""
     total = counts[-1]
     if total <= 0:
         return None
     rank = q * total
-    b = next(i for i, count in enumerate(counts) if count >= rank)
+    # The first bucket whose count reaches the rank: counts never decrease.
+    b = bisect_left(counts, rank)
+    if b == len(counts) or not counts[b] >= rank:
+        # q above 1 or NaN: no bucket reaches the rank (StopIteration, as always).
+        b = next(i for i, count in enumerate(counts) if count >= rank)
     if b == len(counts) - 1:
         return bounds[-2]
     if b == 0 and bounds[0] <= 0:
@@ -363,12 +374,15 @@ class LatencyWindow:
         completed = cur.completed - base.completed
         if completed < self.min_completed:
             return None
-        counts = cur.ttft_counts
+        bounds, counts = cur.ttft_bounds, cur.ttft_counts
         if base.ttft_counts:
             if len(base.ttft_counts) != len(counts):
                 raise ValueError("bucket layouts differ inside one window")  # _is_reset prevents it
             counts = tuple(map(operator.sub, counts, base.ttft_counts))
-        ttft = tuple(zip(cur.ttft_bounds, counts, strict=True))
+        ttft_p50 = ttft_p90 = None
+        if len(bounds) >= 2 and bounds[-1] == math.inf:  # histogram_quantile, both at once
+            monotonic = _monotonic(counts)
+            ttft_p50, ttft_p90 = _quantile(0.5, bounds, monotonic), _quantile(0.9, bounds, monotonic)
         tpot_count = cur.tpot_count - base.tpot_count
         tpot = (cur.tpot_sum - base.tpot_sum) / tpot_count if tpot_count > 0 else None
         error_ratio = None
@@ -377,8 +391,8 @@ class LatencyWindow:
         return LatencyBlock(
             window_s=cur.at - base.at,
             completed=min(MAX_COMPLETED, int(round(completed))),
-            ttft_p50_s=histogram_quantile(0.5, ttft),
-            ttft_p90_s=histogram_quantile(0.9, ttft),
+            ttft_p50_s=ttft_p50,
+            ttft_p90_s=ttft_p90,
             tpot_s=tpot,
             error_ratio=error_ratio,
         )
