@@ -311,6 +311,20 @@ def _scan(wanted: frozenset[object] | set[object]) -> re.Pattern[str] | None:
     return pattern
 
 
+_KEPT_NAMES: dict[frozenset[object], frozenset[str]] = {}
+
+
+def _kept_names(wanted: frozenset[object] | set[object]) -> frozenset[str]:
+    """The names in ``wanted`` that are metric names (what classify keeps), per wanted set."""
+    key = wanted if isinstance(wanted, frozenset) else frozenset(wanted)
+    found = _KEPT_NAMES.get(key)
+    if found is None:
+        found = frozenset(name for name in key if isinstance(name, str) and _METRIC_NAME.fullmatch(name))
+        if len(_KEPT_NAMES) < _SCANS_MAX:
+            _KEPT_NAMES[key] = found
+    return found
+
+
 def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) -> Exposition:
     out = Exposition()
     samples = out._entries
@@ -347,7 +361,13 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
     route: dict[str, list[Entry] | bool] = {}
     builders = _BUILDERS
 
+    # The wanted names that are metric names: kept without another check (a set of them
+    # is kept per wanted set, with its scan).
+    kept_names = _kept_names(wanted) if isinstance(wanted, frozenset | set) else frozenset()
+
     def classify(name: str) -> list[Entry] | bool:
+        if name in kept_names:
+            return samples.setdefault(name, [])
         if name[:1] == "#":
             return False
         if _METRIC_NAME.fullmatch(name) is None:
