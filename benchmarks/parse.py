@@ -18,18 +18,33 @@ bytes a scrape hands it (decoding included), with gridd's WANTED set and with No
 gridd with WANTED as a list is the line loop without the scan (gridd.core.exposition._scan),
 the same-run baseline for it. Times are medians. The last line is
 `ratio=<prometheus_client / gridd with WANTED>`.
+
+Then the rows of the whole per-body path of a scrape as the operator runs it
+(gridd.core.publication: parse with WANTED_SAMPLES, kind_mismatch, derive, the latency
+window, the readiness verdict) on epp-healthy.prom (75 KB) and vllm-direct.prom, their
+counters moving on every scrape (the latency window differences real deltas), in CPU
+microseconds per body (process time over a batch, median of batches, then of rounds).
+`--src DIR` adds the same rows for another checkout's gridd (e.g. /work/main: the code
+before) in the same run: each round starts one worker process per tree, alternating, and
+prints `per_body_ratio=<DIR / this tree>` for the EPP body. `--per-body` runs those rows
+alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# A --per-body worker imports gridd from the tree it is given (--tree DIR), before anything.
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else None
+sys.path.insert(0, _TREE or str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -306,7 +321,7 @@ def consume_prometheus_client(text: str) -> int:
     return sum(len(family.samples) for family in text_string_to_metric_families(text))
 
 
-def main() -> None:
+def main(src: str | None, rounds: int) -> None:
     text = realistic_body()
     raw = text.encode()
     sample_lines = [line for line in text.split("\n") if line and not line.startswith("#")]
@@ -368,8 +383,108 @@ def main() -> None:
         / ms["epp-healthy.prom (75 KB): gridd (bytes, list(WANTED)), line loop"]
     )
     print(f"scan vs line loop, same run: {scan_vs_loop:.2f} (1 MiB body), {small_scan_vs_loop:.2f} (75 KB)")
+    per_body(src, rounds)
     print(f"ratio={reference / ms['gridd parse_exposition(bytes, WANTED)']:.1f}")
 
 
+SAMPLES = Path(__file__).resolve().parent.parent / "tests/data/samples"
+# (sample, metrics.kind, the provider's model): the two bodies a provider serves.
+PER_BODY = (("epp-healthy.prom", "epp", "meta-llama/Llama-3.1-8B-Instruct"),
+            ("vllm-direct.prom", "vllm", "meta-llama/Llama-3.1-8B-Instruct"))
+PER_BODY_SCRAPES = 64  # distinct bodies per sample, scraped in turn
+PER_BODY_BATCH = 200  # bodies per timed batch
+PER_BODY_BATCHES = 9
+# A counter sample's value: *_total, *_count, *_sum and the +Inf bucket move every scrape.
+_COUNTER_VALUE = re.compile(
+    rb'^((?:[^#\n][^ \n]*(?:_total|_count|_sum)|[^#\n][^\n]*le="\+Inf")[^\n]*? )([0-9.e+]+)$', re.M
+)
+
+
+def moving_bodies(body: bytes, scrapes: int) -> list[bytes]:
+    """The body as ``scrapes`` successive scrapes see it: each counter one request (a sum
+    50 ms) further on each scrape, so the latency window reads real deltas."""
+    def render(scrape: int) -> bytes:
+        def bump(match: re.Match[bytes]) -> bytes:
+            step = 0.05 if match.group(1).split(b"{")[0].rstrip().endswith(b"_sum") else 1.0
+            return match.group(1) + b"%.10g" % (float(match.group(2)) + step * scrape)
+        return _COUNTER_VALUE.sub(bump, body)
+    return [render(scrape) for scrape in range(scrapes)]
+
+
+def per_body_worker() -> None:
+    """One tree's per-body CPU microseconds, one line per sample: `name us`."""
+    import gridd
+
+    if _TREE is not None and not Path(gridd.__file__).resolve().is_relative_to(Path(_TREE).resolve()):
+        raise SystemExit(f"gridd imported from {gridd.__file__}, not from {_TREE}")
+    for filename, kind, model in PER_BODY:
+        print(filename, f"{per_body_us(filename, kind, model):.1f}")
+
+
+def per_body_us(filename: str, kind: str, model: str) -> float:
+    """CPU microseconds per body of the scrape path on one sample, median of the batches."""
+    from gridd.core.derivation import derive, kind_mismatch
+    from gridd.core.latency import LatencyWindow
+    from gridd.core.readiness import ReadinessTracker
+
+    bodies = moving_bodies((SAMPLES / filename).read_bytes(), PER_BODY_SCRAPES)
+    window = LatencyWindow(kind=kind, models=frozenset({model}))
+    readiness = ReadinessTracker(created_at=0.0)
+    now = 0.0
+    batches = []
+    for batch in range(PER_BODY_BATCHES + 1):
+        start = time.process_time()
+        for i in range(PER_BODY_BATCH):
+            now += 1.0
+            # gridd.core.publication.ProviderPublisher.on_scrape, its per-body part.
+            expo = parse_exposition(bodies[i % PER_BODY_SCRAPES], WANTED)
+            if kind_mismatch(expo, kind) is None and not (expo.malformed_lines and not expo.samples):
+                load = derive(expo, kind=kind).load
+                window.observe(now, expo)
+                readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
+                                    engine_answered=window.answered_on_last_observe)
+            readiness.verdict(now, stale_after_s=10.0, unavailable=False)
+        if batch:  # the first batch warms up
+            batches.append((time.process_time() - start) / PER_BODY_BATCH * 1e6)
+    return statistics.median(batches)
+
+
+def per_body(src: str | None, rounds: int) -> None:
+    here = str(Path(__file__).resolve().parent.parent)
+    trees = {"this tree": here} | ({src: src} if src else {})
+    results: dict[str, dict[str, list[float]]] = {tree: {} for tree in trees}
+    for _ in range(rounds):
+        for tree, path in trees.items():
+            out = subprocess.run(
+                [sys.executable, __file__, "--per-body-worker", "--tree", path],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            for line in out.splitlines():
+                name, us = line.split()
+                results[tree].setdefault(name, []).append(float(us))
+    print(f"per-body path CPU us per body, median of {rounds} rounds "
+          f"(parse + kind_mismatch + derive + latency window + readiness):")
+    for tree, by_sample in results.items():
+        for name, values in by_sample.items():
+            print(f"  {tree:<24}{name:<20}{statistics.median(values):>9.1f}   "
+                  f"[{min(values):.1f}..{max(values):.1f}]")
+    if src:
+        ratio = statistics.median(results[src]["epp-healthy.prom"]) / statistics.median(
+            results["this tree"]["epp-healthy.prom"])
+        print(f"per_body_ratio={ratio:.2f}")
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--per-body", action="store_true", help="the per-body path rows alone")
+    parser.add_argument("--src", help="another checkout to compare the per-body path with (e.g. /work/main)")
+    parser.add_argument("--rounds", type=int, default=5, help="per-body rounds (one worker per tree each)")
+    parser.add_argument("--per-body-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.per_body_worker:
+        per_body_worker()
+    elif args.per_body:
+        per_body(args.src, args.rounds)
+    else:
+        main(args.src, args.rounds)

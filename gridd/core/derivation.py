@@ -98,7 +98,7 @@ def pool_names(expo: Exposition) -> tuple[str, ...]:
     """The pools an EPP exposition reports (``name`` label of its pool gauges), sorted."""
     names: set[str] = set()
     for family in _POOL_FAMILIES:
-        for labels, _ in expo.samples.get(family, ()):
+        for labels, _ in expo.series(family):
             name = labels.get("name")
             if name is not None:
                 names.add(name)
@@ -210,12 +210,12 @@ def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kin
 
 def _has_vllm_series(expo: Exposition) -> bool:
     """Whether the exposition carries any vLLM engine load series."""
-    return any(expo.samples.get(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
+    return any(expo.entries(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
 
 
 def _first_for_pool(expo: Exposition, families: Iterable[str], pool: str) -> float | None:
     for family in families:
-        for labels, value in expo.samples.get(family, ()):
+        for labels, value in expo.series(family):
             if labels.get("name") == pool:
                 return value
     return None
@@ -241,8 +241,9 @@ def _inflight_per_endpoint(expo: Exposition, checked: _Checked) -> dict[tuple[st
     producer instances" rather than adding them.
     """
     per_producer: dict[tuple[str, str], dict[str, float]] = {}
-    for labels, raw in expo.samples.get(_INFLIGHT, ()):
-        value = checked.count("in_flight", _INFLIGHT, raw)
+    for labels, raw in expo.series(_INFLIGHT):
+        # A finite count of at least 0 is its own value; checked.count reads the others.
+        value = raw if 0.0 <= raw < math.inf else checked.count("in_flight", _INFLIGHT, raw)
         if value is None:
             if not math.isfinite(raw):
                 continue
@@ -265,10 +266,10 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
     # empty in endpoint-selector mode. A stock EPP serves one pool, so with one pool in the
     # exposition every flow-control series is that pool's; only a multi-pool exposition
     # needs the label to tell them apart.
-    flow_family = next((f for f in _FLOW_QUEUE if expo.samples.get(f)), None)
+    flow_family = next((f for f in _FLOW_QUEUE if expo.entries(f)), None)
     flow_queue = 0.0
     if flow_family is not None:
-        for labels, raw in expo.samples[flow_family]:
+        for labels, raw in expo.series(flow_family):
             if multi_pool and labels.get("inference_pool") != pool:
                 continue
             value = checked.count("flow_queue", flow_family, raw)
@@ -301,7 +302,7 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
 
     waiting_by_endpoint: dict[str, float | None] = {}
     for family, endpoint_label in _PER_ENDPOINT:
-        for labels, raw in expo.samples.get(family, ()):
+        for labels, raw in expo.series(family):
             if labels.get("name") == pool and math.isfinite(raw):
                 # A negative count leaves the endpoint listed, its waiting count absent.
                 waiting_by_endpoint.setdefault(labels.get(endpoint_label, ""),
@@ -367,7 +368,7 @@ def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checke
         read = checked.fraction if fraction else checked.count
         for family in families:
             found: dict[str, float | None] = {}
-            for labels, raw in expo.samples.get(family, ()):
+            for labels, raw in expo.series(family):
                 if math.isfinite(raw):
                     found.setdefault(labels.get("engine", "0"), read(field, family, raw))
             if found:

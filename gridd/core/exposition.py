@@ -6,6 +6,8 @@ parse_exposition(body, wanted) -> Exposition
         (e.g. "llm_d_epp_request_ttft_seconds_bucket"); None keeps every sample.
     Exposition.samples: sample name -> list of (labels dict, value float), in input order.
     Exposition.malformed_lines: lines that could not be parsed (skipped, never fatal).
+    Exposition.series(name): one name's samples; Exposition.entries(name): the same with a
+        histogram series' bucket lines still as one BucketRun (what the latency window reads).
 
 The grammar, modelled on client_golang's text parser (`_parse_line` implements it):
 
@@ -41,8 +43,12 @@ cost a few C-level string calls.
     whether the name is kept, so a name is validated and matched against `wanted` once.
   * Runs. After an unwanted line the rest of its family is skipped with one prefix
     compare per line. After a kept line in canonical form (below), the next lines that
-    repeat it up to the opening quote of the last label value (histogram buckets differ
-    only in "le") copy its label dict and replace that one value.
+    repeat it up to the opening quote of the last label value copy its label dict and
+    replace that one value. When that last label is "le" (a histogram series' buckets,
+    which client libraries write last), no dict is built per line: the run becomes one
+    BucketRun (the series' labels, and each bucket's le text and count), written out as
+    samples only when `samples` or `series` is read. The latency window reads the runs
+    and checks a series' labels once, not once per bucket.
   * Canonical form is what client_golang and prometheus_client write: no backslash,
     name{a="x",b="y"} value, no blanks inside the braces, no timestamp. With no
     backslash every '"' opens or closes a value, so split('"') yields the label-name
@@ -54,22 +60,85 @@ when `_parse_line` would return the same sample (tests/test_exposition.py checks
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 
-__all__ = ["Exposition", "parse_exposition"]
-
-
-class Exposition:
-    __slots__ = ("samples", "malformed_lines")
-
-    def __init__(self) -> None:
-        self.samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-        self.malformed_lines = 0
+__all__ = ["BucketRun", "Exposition", "parse_exposition"]
 
 
 Labels = dict[str, str]
 Series = list[tuple[Labels, float]]
 Builder = Callable[[list[str]], Labels]
+
+
+class BucketRun:
+    """Consecutive bucket lines of one histogram series, as the parse keeps them: they differ
+    only in ``le``, the last label. ``labels``: the series' labels (its ``le`` is any one of
+    the run's); ``les`` and ``values``: each bucket's ``le`` text and count, in order."""
+
+    __slots__ = ("labels", "les", "values")
+
+    def __init__(self, labels: Labels, les: list[str], values: list[float]) -> None:
+        self.labels = labels
+        self.les = les
+        self.values = values
+
+    def samples(self) -> Series:
+        """The buckets as samples, each owning its labels dict."""
+        out: Series = []
+        for le, value in zip(self.les, self.values, strict=True):
+            labels = self.labels.copy()
+            labels["le"] = le
+            out.append((labels, value))
+        return out
+
+
+Entry = tuple[Labels, float] | BucketRun
+
+
+class Exposition:
+    """What parse_exposition read: ``samples`` (kept name -> list of (labels dict, value), in
+    input order) and ``malformed_lines``.
+
+    The parse keeps a histogram's bucket runs (BucketRun) without a labels dict per bucket;
+    ``samples`` and ``series(name)`` write them out as samples on first use, ``entries(name)``
+    reads a name's samples and bucket runs as they are (what the latency window does).
+    """
+
+    __slots__ = ("malformed_lines", "_entries", "_with_buckets")
+
+    def __init__(self) -> None:
+        self.malformed_lines = 0
+        self._entries: dict[str, list[Entry]] = {}
+        # The names whose entries hold a BucketRun, not yet written out as samples.
+        self._with_buckets: set[str] = set()
+
+    def names(self) -> Iterable[str]:
+        """The names with samples, in order of first appearance."""
+        return self._entries.keys()
+
+    def entries(self, name: str) -> list[Entry]:
+        """One name's samples and bucket runs, in input order; empty when it has none."""
+        return self._entries.get(name, [])
+
+    def series(self, name: str) -> Series:
+        """One name's samples; empty when it has none."""
+        if name in self._with_buckets:
+            self._with_buckets.discard(name)
+            entries = self._entries[name]
+            written: Series = []
+            for entry in entries:
+                if isinstance(entry, BucketRun):
+                    written.extend(entry.samples())
+                else:
+                    written.append(entry)
+            entries[:] = written
+        return self._entries.get(name, [])  # type: ignore[return-value]  # samples only now
+
+    @property
+    def samples(self) -> dict[str, Series]:
+        for name in list(self._with_buckets):
+            self.series(name)
+        return self._entries  # type: ignore[return-value]  # samples only now
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -242,9 +311,23 @@ def _scan(wanted: frozenset[object] | set[object]) -> re.Pattern[str] | None:
     return pattern
 
 
+_KEPT_NAMES: dict[frozenset[object], frozenset[str]] = {}
+
+
+def _kept_names(wanted: frozenset[object] | set[object]) -> frozenset[str]:
+    """The names in ``wanted`` that are metric names (what classify keeps), per wanted set."""
+    key = wanted if isinstance(wanted, frozenset) else frozenset(wanted)
+    found = _KEPT_NAMES.get(key)
+    if found is None:
+        found = frozenset(name for name in key if isinstance(name, str) and _METRIC_NAME.fullmatch(name))
+        if len(_KEPT_NAMES) < _SCANS_MAX:
+            _KEPT_NAMES[key] = found
+    return found
+
+
 def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) -> Exposition:
     out = Exposition()
-    samples = out.samples
+    samples = out._entries
 
     def counts_as_malformed(line: str) -> bool:
         """A malformed line counts unless the filter would have skipped it (its name)."""
@@ -275,10 +358,16 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
     # The text before "{" (or before " " on a bare line) -> the list its samples go to
     # (kept), False (a valid name not wanted, or a comment: skip the line), True (not a
     # plain metric name: the line needs _parse_line).
-    route: dict[str, Series | bool] = {}
+    route: dict[str, list[Entry] | bool] = {}
     builders = _BUILDERS
 
-    def classify(name: str) -> Series | bool:
+    # The wanted names that are metric names: kept without another check (a set of them
+    # is kept per wanted set, with its scan).
+    kept_names = _kept_names(wanted) if isinstance(wanted, frozenset | set) else frozenset()
+
+    def classify(name: str) -> list[Entry] | bool:
+        if name in kept_names:
+            return samples.setdefault(name, [])
         if name[:1] == "#":
             return False
         if _METRIC_NAME.fullmatch(name) is None:
@@ -304,13 +393,19 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
     # The current run (module docstring). Skipping: `run` is an unwanted name plus "{"
     # or " ". Copying: `run` is a kept canonical line up to and including the opening
     # quote of its last label value, `run_labels` that line's labels (or a later copy)
-    # and `run_label` the last label's name, looked up on first use.
+    # and `run_label` the last label's name, looked up on first use. When that label is
+    # "le" (histogram buckets), the run's lines go to a BucketRun in `run_dest` instead:
+    # `run_first` is the run's first sample, which becomes the BucketRun's first bucket if
+    # it is still the last entry, and `run_bucket` the BucketRun the run goes on in.
     run = "\n"  # no line contains "\n": matches nothing
     run_skip = False
     run_len = 0
-    run_dest: Series = []
+    run_name = ""
+    run_dest: list[Entry] = []
     run_labels: Labels = {}
     run_label: str | None = None
+    run_first: Entry | None = None
+    run_bucket: BucketRun | None = None
 
     for line in lines:
         if line[:run_len] == run:
@@ -333,6 +428,22 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
                 else:
                     if run_label is None:
                         run_label = next(reversed(run_labels))
+                    if run_label == "le":
+                        if run_bucket is not None and run_dest[-1] is run_bucket:
+                            run_bucket.les.append(last)
+                            run_bucket.values.append(value)
+                        elif run_dest[-1] is run_first:
+                            # The run's first sample becomes its first bucket.
+                            first_value = run_dest[-1][1]  # type: ignore[index]  # run_first, a sample
+                            run_bucket = BucketRun(run_labels, [run_labels["le"], last], [first_value, value])
+                            run_dest[-1] = run_bucket
+                            out._with_buckets.add(run_name)
+                        else:
+                            # A sample of the name came in between (_parse_line took it).
+                            run_bucket = BucketRun(run_labels, [last], [value])
+                            run_dest.append(run_bucket)
+                            out._with_buckets.add(run_name)
+                        continue
                     labels = run_labels.copy()
                     labels[run_label] = last
                     run_dest.append((labels, value))
@@ -356,7 +467,7 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
             if (
                 dest is True
                 or not end
-                or "\\" in rest
+                or (escapes and "\\" in rest)
                 or "_" in token
                 or (check_ascii and not token.isascii())
             ):
@@ -374,14 +485,17 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
             except (ValueError, TypeError, IndexError):
                 malformed += slow(line)
                 continue
-            dest.append((labels, value))
+            run_first = (labels, value)
+            dest.append(run_first)
             # line = name "{" head '"} ' token, and head ends with the last value.
             run_len = len(name) + 1 + len(head) - len(pieces[-1])
             run = line[:run_len]
             run_skip = False
+            run_name = name
             run_dest = dest
             run_labels = labels
             run_label = None
+            run_bucket = None
             continue
         name, space, token = line.partition(" ")
         if not space:

@@ -38,10 +38,14 @@ Pure: ``now`` is a monotonic float of seconds passed in by the caller.
 from __future__ import annotations
 
 import math
+import operator
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
-from gridd.core.exposition import Exposition
+from gridd.core.exposition import BucketRun, Exposition
 from gridd.core.readings import LatencyBlock
 
 __all__ = [
@@ -83,14 +87,16 @@ class _Snapshot:
     successes: float
     completed: float
     failures: float | None  # None: the source has no failure count
-    ttft: Buckets  # (upper bound, cumulative count), sorted by bound, +Inf last
+    # The TTFT histogram: upper bounds, sorted, +Inf last, and their cumulative counts.
+    ttft_bounds: tuple[float, ...]
+    ttft_counts: tuple[float, ...]
     tpot_sum: float
     tpot_count: float
 
-    def counters(self) -> tuple[float, ...]:
+    def scalars(self) -> tuple[float, float, float, float, float]:
+        """The cumulative counters but the TTFT buckets."""
         failures = 0.0 if self.failures is None else self.failures
-        return (self.successes, self.completed, failures, self.tpot_sum, self.tpot_count,
-                *(count for _, count in self.ttft))
+        return (self.successes, self.completed, failures, self.tpot_sum, self.tpot_count)
 
 
 Models = frozenset[str] | None
@@ -115,41 +121,91 @@ def _total(expo: Exposition, families: tuple[str, ...], models: Models, *,
     """Sum of the first family present (canonical before legacy; never both: an EPP from
     v0.9 on emits both under dual emission, and adding them would count twice)."""
     for family in families:
-        rows = expo.samples.get(family)
+        rows = expo.series(family)
         if rows:
             return sum(v for labels, v in rows if math.isfinite(v) and _is_ours(labels, models)
                        and not (skip_empty_model and labels.get("model_name") == ""))
     return 0.0
 
 
-def _buckets(expo: Exposition, family: str, models: Models, *, streaming_only: bool) -> Buckets:
-    """Cumulative bucket counts summed across label sets per ``le``.
+def _buckets(expo: Exposition, family: str, models: Models, *,
+             streaming_only: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Cumulative bucket counts summed across label sets per ``le``: (bounds, counts), sorted
+    by bound.
 
     Summing cumulative counts of several series bucket by bucket yields the cumulative
     histogram of their union (all EPP flows share one bucket layout).
     """
-    per_le: dict[float, float] = {}
-    for labels, value in expo.samples.get(family, ()):
+    counted: list[BucketRun | tuple[dict[str, str], float]] = []
+    for entry in expo.entries(family):
+        labels = entry.labels if isinstance(entry, BucketRun) else entry[0]
         if streaming_only and labels.get("streaming") != "true":
             continue
-        if not _is_ours(labels, models):
+        if models is not None:  # _is_ours, inline: a histogram has a line per bucket
+            model = labels.get("model_name")
+            if model is not None and model not in models:
+                continue
+        counted.append(entry)
+    if not counted:
+        return (), ()
+    summed = _same_layout_sum(counted)
+    if summed is not None:
+        return summed
+    per_le: dict[float, float] = {}
+    for entry in counted:
+        if isinstance(entry, BucketRun):
+            for bound, value in zip(entry.les, entry.values, strict=True):
+                if not math.isnan(value):
+                    _add_bucket(per_le, bound, value)
             continue
+        labels, value = entry
         le_text = labels.get("le")
-        if le_text is None or math.isnan(value):
-            continue
-        try:
-            le = float(le_text)
-        except ValueError:
-            continue
-        per_le[le] = per_le.get(le, 0.0) + value
-    return tuple(sorted(per_le.items()))
+        if le_text is not None and not math.isnan(value):
+            _add_bucket(per_le, le_text, value)
+    if not per_le:
+        return (), ()
+    bounds, counts = zip(*sorted(per_le.items()), strict=True)
+    return bounds, counts
+
+
+def _same_layout_sum(counted: list[BucketRun | tuple[dict[str, str], float]]
+                     ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """_buckets' sums in C-level steps when every series counted is a BucketRun with the same
+    le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
+    Each bound's sum adds the same counts in the same order as the per-bucket loop."""
+    first = counted[0]
+    if not isinstance(first, BucketRun):
+        return None
+    texts = first.les
+    try:
+        bounds = list(map(float, texts))
+    except ValueError:
+        return None
+    if any(map(math.isnan, bounds)) or len(set(bounds)) != len(bounds):
+        return None
+    sums = [0.0] * len(bounds)
+    for run in counted:
+        if not isinstance(run, BucketRun) or run.les != texts or any(map(math.isnan, run.values)):
+            return None
+        sums = list(map(operator.add, sums, run.values))
+    ordered, counts = zip(*sorted(zip(bounds, sums, strict=True)), strict=True)
+    return ordered, counts
+
+
+def _add_bucket(per_le: dict[float, float], le_text: str, value: float) -> None:
+    """Add one bucket's count under its bound; a bound that is no number is skipped."""
+    try:
+        le = float(le_text)
+    except ValueError:
+        return
+    per_le[le] = per_le.get(le, 0.0) + value
 
 
 def _sum_count(expo: Exposition, histograms: tuple[str, ...], models: Models = None) -> tuple[float, float]:
     for name in histograms:
-        count_rows = expo.samples.get(f"{name}_count")
+        count_rows = expo.series(f"{name}_count")
         if count_rows:
-            total = sum(v for labels, v in expo.samples.get(f"{name}_sum", ())
+            total = sum(v for labels, v in expo.series(f"{name}_sum")
                         if math.isfinite(v) and _is_ours(labels, models))
             return total, sum(v for labels, v in count_rows if math.isfinite(v) and _is_ours(labels, models))
     return 0.0, 0.0
@@ -160,25 +216,25 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
     body has any vllm:* series. models: applies to the EPP's rows only (an engine serves
     one model, labelled with its first --served-model-name, which need not be the
     provider's name)."""
-    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.samples)):
+    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names())):
         successes = completed = 0.0
-        for labels, value in expo.samples.get(_VLLM_SUCCESS, ()):
+        for labels, value in expo.series(_VLLM_SUCCESS):
             if not math.isfinite(value):
                 continue
             completed += value
             if labels.get("finished_reason") not in _VLLM_NOT_ANSWERED:
                 successes += value
         tpot_sum, tpot_count = _sum_count(expo, _VLLM_TPOT)
+        bounds, counts = _buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False)
         return _Snapshot(at=now, source="vllm", successes=successes, completed=completed,
-                         failures=None,
-                         ttft=_buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False),
+                         failures=None, ttft_bounds=bounds, ttft_counts=counts,
                          tpot_sum=tpot_sum, tpot_count=tpot_count)
     successes = _total(expo, _EPP_SUCCESS, models)
     failures = _total(expo, _EPP_ERRORS, models, skip_empty_model=True)
     tpot_sum, tpot_count = _sum_count(expo, _EPP_TPOT, models)
+    bounds, counts = _buckets(expo, _EPP_TTFT_BUCKET, models, streaming_only=True)
     return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
-                     failures=failures,
-                     ttft=_buckets(expo, _EPP_TTFT_BUCKET, models, streaming_only=True),
+                     failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                      tpot_sum=tpot_sum, tpot_count=tpot_count)
 
 
@@ -190,12 +246,11 @@ def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
     """
     if prev.source != cur.source or cur.at < prev.at:
         return True
-    if prev.ttft and cur.ttft and [le for le, _ in prev.ttft] != [le for le, _ in cur.ttft]:
-        return True
-    if prev.ttft and not cur.ttft:
+    if prev.ttft_bounds and cur.ttft_bounds != prev.ttft_bounds:
         return True
     # prev may lack the TTFT buckets (no streaming request yet): compare what both have.
-    return any(c < p for p, c in zip(prev.counters(), cur.counters(), strict=False))
+    return (any(c < p for p, c in zip(prev.scalars(), cur.scalars(), strict=True))
+            or any(map(operator.lt, cur.ttft_counts, prev.ttft_counts)))
 
 
 def histogram_quantile(q: float, buckets: Buckets) -> float | None:
@@ -209,20 +264,28 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     """
     if len(buckets) < 2 or buckets[-1][0] != math.inf:
         return None
-    # Prometheus' ensureMonotonic: deltas of cumulative counts taken at slightly different
-    # instants can dip; a bucket never holds fewer than the one below it.
-    bounds: list[float] = []
-    counts: list[float] = []
-    running_max = 0.0
-    for bound, count in buckets:
-        running_max = max(running_max, count)
-        bounds.append(bound)
-        counts.append(running_max)
+    bounds, counts = zip(*buckets, strict=True)
+    return _quantile(q, bounds, _monotonic(counts))
+
+
+def _monotonic(counts: Iterable[float]) -> list[float]:
+    """Prometheus' ensureMonotonic: deltas of cumulative counts taken at slightly different
+    instants can dip; a bucket never holds fewer than the one below it (a running max from
+    0, NaN counts left out by max)."""
+    return list(accumulate(counts, max, initial=0.0))[1:]
+
+
+def _quantile(q: float, bounds: Sequence[float], counts: list[float]) -> float | None:
+    """histogram_quantile on bounds ending with +Inf and their _monotonic counts."""
     total = counts[-1]
     if total <= 0:
         return None
     rank = q * total
-    b = next(i for i, count in enumerate(counts) if count >= rank)
+    # The first bucket whose count reaches the rank: counts never decrease.
+    b = bisect_left(counts, rank)
+    if b == len(counts) or not counts[b] >= rank:
+        # q above 1 or NaN: no bucket reaches the rank (StopIteration, as always).
+        b = next(i for i, count in enumerate(counts) if count >= rank)
     if b == len(counts) - 1:
         return bounds[-2]
     if b == 0 and bounds[0] <= 0:
@@ -311,8 +374,15 @@ class LatencyWindow:
         completed = cur.completed - base.completed
         if completed < self.min_completed:
             return None
-        ttft = tuple((le, count - base_count) for (le, count), (_, base_count)
-                     in zip(cur.ttft, base.ttft, strict=True)) if base.ttft else cur.ttft
+        bounds, counts = cur.ttft_bounds, cur.ttft_counts
+        if base.ttft_counts:
+            if len(base.ttft_counts) != len(counts):
+                raise ValueError("bucket layouts differ inside one window")  # _is_reset prevents it
+            counts = tuple(map(operator.sub, counts, base.ttft_counts))
+        ttft_p50 = ttft_p90 = None
+        if len(bounds) >= 2 and bounds[-1] == math.inf:  # histogram_quantile, both at once
+            monotonic = _monotonic(counts)
+            ttft_p50, ttft_p90 = _quantile(0.5, bounds, monotonic), _quantile(0.9, bounds, monotonic)
         tpot_count = cur.tpot_count - base.tpot_count
         tpot = (cur.tpot_sum - base.tpot_sum) / tpot_count if tpot_count > 0 else None
         error_ratio = None
@@ -321,8 +391,8 @@ class LatencyWindow:
         return LatencyBlock(
             window_s=cur.at - base.at,
             completed=min(MAX_COMPLETED, int(round(completed))),
-            ttft_p50_s=histogram_quantile(0.5, ttft),
-            ttft_p90_s=histogram_quantile(0.9, ttft),
+            ttft_p50_s=ttft_p50,
+            ttft_p90_s=ttft_p90,
             tpot_s=tpot,
             error_ratio=error_ratio,
         )
