@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import http
+import itertools
 import logging
 import os
 import socket
@@ -17,6 +19,7 @@ import trio.lowlevel
 import trio.testing
 
 from gridd.http.asgi import ClientDisconnected
+from gridd.http.h1_response import ResponseWriter, request_keeps_alive
 from gridd.http.listeners import parse_bind
 from gridd.http.serve import serve_asgi
 
@@ -121,6 +124,87 @@ def test_parse_bind_accepts(bind, parsed):
 def test_parse_bind_rejects(bind):
     with pytest.raises(ValueError):
         parse_bind(bind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: the app's response as h11 would write it (h1_response)
+
+_ANSWER_HEADER_SETS = [
+    [],
+    [(b"content-type", b"application/json"), (b"x-gridd-served-by", b"a/b")],
+    [(b"Content-Length", b"5")],
+    [(b"content-length", b"05"), (b"date", b"Tue, 01 Dec 2026 15:00:00 GMT")],
+    [(b"content-length", b"5"), (b"content-length", b"5")],
+    [(b"content-length", b"5, 5")],
+    [(b"content-length", b"5"), (b"content-length", b"6")],
+    [(b"content-length", b"x")],
+    [(b"content-length", b"1" * 21)],
+    [(b"transfer-encoding", b"chunked")],
+    [(b"Transfer-Encoding", b"Chunked"), (b"content-length", b"5")],
+    [(b"transfer-encoding", b"gzip")],
+    [(b"connection", b"close")],
+    [(b"x", b"1"), (b"CONNECTION", b"keep-alive")],
+    [(b"connection", b"Upgrade, close"), (b"content-length", b"5")],
+    [(b"x-a", b"1"), (b"Host", b"h"), (b"content-length", b"5")],
+    [(b"bad name", b"v")],
+    [(b"", b"v")],
+    [(b"x", b"a\x00b")],
+    [(b"x", b" lead")],
+    [(b"x", b"tab\tin"), (b"y", b"obs\x80text"), (b"z", b"")],
+    [(b"x", b"nl\nx")],
+]
+
+
+def _h11_answer(request_bytes, status, headers, bodies):
+    """h11.Connection.send's bytes for one answer, and where it raised (None: nowhere)."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(request_bytes)
+    while type(event := conn.next_event()) is not h11.EndOfMessage:
+        if type(event) is h11.Request:
+            request = event
+    out = b""
+    try:
+        out += conn.send(h11.Response(status_code=status, headers=list(headers)))
+        for body in bodies:
+            out += conn.send(h11.Data(data=body))
+        out += conn.send(h11.EndOfMessage())
+    except h11.LocalProtocolError:
+        return request, out, "raised", None
+    return request, out, None, conn.our_state is h11.DONE
+
+
+def _writer_answer(request, status, headers, bodies):
+    headers_seen = list(request.headers)
+    writer = ResponseWriter(request.method, request.http_version,
+                            request_keeps_alive(request.http_version, headers_seen))
+    out = b""
+    try:
+        out += writer.head(status, list(headers))
+        for body in bodies:
+            out += writer.data(body)
+        out += writer.end()
+    except h11.LocalProtocolError:
+        return out, "raised", None
+    return out, None, writer.keep_alive
+
+
+def test_response_writer_writes_what_h11_writes():
+    """Every combination of request method, HTTP version and Connection header with an
+    answer's status, headers and body messages: the same bytes, the same errors (after the
+    same bytes), the same keep-alive decision as h11's own Connection.send."""
+    cases = 0
+    for method, version, connection, status, headers, bodies in itertools.product(
+        [b"GET", b"HEAD", b"POST", b"CONNECT"], [b"1.0", b"1.1"], [None, b"close", b"Keep-Alive, Upgrade"],
+        [200, 204, 304, 404, 101, 1000, "200", http.HTTPStatus.OK], _ANSWER_HEADER_SETS,
+        [[], [b"hello"], [b"he", b"llo"], [b"hello!"], [b"hel"]],
+    ):
+        request_bytes = (method + b" / HTTP/" + version + b"\r\nHost: x\r\n"
+                         + (b"Connection: " + connection + b"\r\n" if connection else b"") + b"\r\n")
+        request, *expected = _h11_answer(request_bytes, status, headers, bodies)
+        assert _writer_answer(request, status, headers, bodies) == tuple(expected), (
+            method, version, connection, status, headers, bodies)
+        cases += 1
+    assert cases == 4 * 2 * 3 * 8 * len(_ANSWER_HEADER_SETS) * 5
 
 
 # ---------------------------------------------------------------------------------------------

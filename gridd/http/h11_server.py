@@ -88,7 +88,7 @@ class H11Connection:
                     return
                 if outcome == "close":
                     return
-                self.conn.start_next_cycle()
+                self._start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
@@ -162,7 +162,7 @@ class H11Connection:
             "client": self.client,
             "server": self.server,
         }
-        cycle = RequestCycle(self, request.method == b"HEAD")
+        cycle = RequestCycle(self, request, headers)
         try:
             try:
                 await self.app(scope, cycle.receive, cycle.send)
@@ -189,12 +189,22 @@ class H11Connection:
             )
             return await self._after_failed_cycle(cycle, 500)
 
-        conn = self.conn
-        if conn.our_state is not h11.DONE or self.state.draining:
+        if not cycle.keeps_alive or self.state.draining:
             return "close"
-        if conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
+        if self.conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
             return "linger"
         return "keep"
+
+    def _start_next_cycle(self) -> None:
+        """A fresh h11.Connection for the next request, holding what the client already sent.
+        h11 never saw the app's response (RequestCycle wrote it), so its own start_next_cycle
+        does not apply; a new connection in its first cycle is the same state, for 1 us."""
+        data, closed = self.conn.trailing_data
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        if data:
+            self.conn.receive_data(data)
+        if closed:
+            self.conn.receive_data(b"")
 
     async def _after_failed_cycle(self, cycle: RequestCycle, status: int) -> str:
         if cycle.disconnected or cycle.head_sent or self.conn.our_state is not h11.SEND_RESPONSE:
