@@ -478,6 +478,23 @@ async def test_oversized_request_head_trickling_in_is_431(backend):
         await raw.stream.aclose()
 
 
+async def test_oversized_head_pipelined_after_a_request_is_431_after_its_answer():
+    """The next request's head is already buffered when the first answer is done (the path
+    that takes it without waiting): over the head limit and incomplete, it gets 431."""
+    async def app(scope, receive, send):
+        await respond(send, 200, b"fine")
+
+    async with serving(app, "h11", max_header_bytes=1024) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n"
+                                  b"GET /second HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 2048)
+        data = await raw.recv_until_closed()
+        assert data.startswith(b"HTTP/1.1 200 ")
+        assert data.count(b"HTTP/1.1 ") == 2
+        assert b"\r\n\r\nfineHTTP/1.1 431 " in data
+        await raw.stream.aclose()
+
+
 async def test_http_1_0_client_gets_a_close_delimited_stream():
     async def app(scope, receive, send):
         assert scope["http_version"] == "1.0"

@@ -53,14 +53,15 @@ class ServerState:
 class CycleConnection(Protocol):
     """What a request cycle uses of its connection (h11_server.H11Connection)."""
 
-    stream: trio.SocketStream
     conn: h11.Connection
     limits: ServerLimits
     state: ServerState
     listener: Listener
     evicted: bool
 
-    async def receive_bytes(self) -> bytes: ...
+    async def receive_bytes(self, wait_first: bool = False) -> bytes: ...
+
+    async def send_all(self, data: bytes) -> None: ...
 
 
 def _missing_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bool, bool]:
@@ -159,9 +160,13 @@ class RequestCycle:
         # Pipelined requests that arrive meanwhile are buffered in h11, up to the head limit;
         # past it, what arrives is discarded (still read, so a hang-up is seen) and the
         # connection closes after this response.
+        # Nothing is expected (a client waits for its answer): wait for the socket before
+        # reading, so that a watch that ends with the response costs no failed read.
         conn = self.conn
+        wait_first = True
         while True:
-            data = await self.c.receive_bytes()
+            data = await self.c.receive_bytes(wait_first)
+            wait_first = False
             if not data:
                 self.disconnected = True
                 return {"type": "http.disconnect"}
@@ -291,7 +296,7 @@ class RequestCycle:
 
     async def _send_bytes(self, data: bytes) -> None:
         try:
-            await self.c.stream.send_all(data)
+            await self.c.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.disconnected = True
             raise ClientDisconnected("client disconnected") from exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from typing import Literal
 from urllib.parse import unquote
 
 import h11
@@ -50,17 +51,20 @@ _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain
 class H11Connection:
     """One client connection: a loop of request/response cycles on one h11.Connection."""
 
-    __slots__ = ("stream", "app", "limits", "state", "conn", "client", "server", "listener", "evicted")
+    __slots__ = ("stream", "sock", "app", "limits", "state", "conn", "client", "server", "listener",
+                 "evicted")
 
     def __init__(
         self,
         stream: trio.SocketStream,
+        sock: socket.socket,
         app: ASGIApp,
         limits: ServerLimits,
         state: ServerState,
         listener: Listener,
     ) -> None:
         self.stream = stream
+        self.sock = sock  # stream's own (non-blocking) socket: receive_bytes and send_all use it
         self.app = app
         self.limits = limits
         self.state = state
@@ -98,17 +102,86 @@ class H11Connection:
             self.listener.open -= 1
             await self.stream.aclose()
 
-    async def receive_bytes(self) -> bytes:
-        """b"" on EOF, reset or a locally closed stream."""
-        try:
-            return await self.stream.receive_some(_READ_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return b""
+    # The connection's own reads and writes go to the socket itself rather than through
+    # trio.SocketStream: bytes already waiting are read, and a write the kernel takes whole is
+    # done, without the scheduler pass and the context managers trio's stream adds to every
+    # call (each request cycle still passes the scheduler once, in _next_request). They
+    # checkpoint on cancellation as trio's calls do.
+
+    async def receive_bytes(self, wait_first: bool = False) -> bytes:
+        """The bytes waiting in the socket, else the next that arrive; b"" on EOF or reset.
+        wait_first: the caller expects nothing to be waiting (skip the read that would fail)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        sock = self.sock
+        if wait_first:
+            await trio.lowlevel.wait_readable(sock)
+        while True:
+            try:
+                return sock.recv(_READ_BYTES)
+            except BlockingIOError:
+                pass
+            except OSError:
+                return b""
+            await trio.lowlevel.wait_readable(sock)
+
+    async def send_all(self, data: bytes) -> None:
+        """Write all of ``data``; trio.BrokenResourceError once the client is gone."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        sock = self.sock
+        view = memoryview(data)
+        sent = 0
+        while True:
+            try:
+                sent += sock.send(view[sent:] if sent else view)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+            if sent >= len(view):
+                return
+            await trio.lowlevel.wait_writable(sock)
+
+    def _request_now(self) -> h11.Request | h11.RemoteProtocolError | Literal["wait", "closed"]:
+        """Without waiting: the next request if it is already here (or the error that makes
+        it malformed), "closed" if the client closed, "wait" if there are no bytes yet."""
+        conn = self.conn
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                return exc
+            if event is h11.NEED_DATA:
+                try:
+                    data = self.sock.recv(_READ_BYTES)
+                except BlockingIOError:
+                    return "wait"
+                except OSError:
+                    data = b""
+                conn.receive_data(data)
+                continue
+            if type(event) is h11.Request:
+                return event
+            return "closed"  # ConnectionClosed
 
     async def _next_request(self) -> h11.Request | None:
+        if self.state.draining or self.evicted:
+            return None
+        # A request already buffered or waiting in the socket (a busy client's next request
+        # usually is) needs no keep-alive scope: one scheduler pass and it runs.
+        ready = self._request_now()
+        if isinstance(ready, h11.RemoteProtocolError):
+            await self._send_error(ready.error_status_hint, head_only=False)
+            await self._linger()
+            return None
+        if isinstance(ready, h11.Request):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return ready
+        if ready == "closed":
+            return None
         # The keep-alive bound covers the whole wait for a complete request head, which also
         # bounds a client trickling a head byte by byte.
         conn = self.conn
+        wait_first = True
         with trio.move_on_after(self.limits.keep_alive_s) as scope:
             self.state.idle_scopes.add(scope)
             self.listener.waiting[self] = scope
@@ -123,7 +196,8 @@ class H11Connection:
                         await self._linger()
                         return None
                     if event is h11.NEED_DATA:
-                        conn.receive_data(await self.receive_bytes())
+                        conn.receive_data(await self.receive_bytes(wait_first))
+                        wait_first = False
                         continue
                     if type(event) is h11.Request:
                         return event
@@ -245,7 +319,7 @@ class H11Connection:
         except h11.LocalProtocolError:
             return
         try:
-            await self.stream.send_all(out)
+            await self.send_all(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
@@ -293,7 +367,7 @@ async def _accept_loop(
                 entry.note_refusal(f"accept() {name}", trio.current_time())
                 await trio.sleep(_ACCEPT_RETRY_S)
                 break
-            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))  # non-blocking now
             # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
             # that has waited longest on its client; if every one is busy in the app, refuse.
             at_cap = entry.open >= limits.max_connections
@@ -305,7 +379,7 @@ async def _accept_loop(
                 admit = entry.evict_oldest_waiting()
             if admit:
                 entry.open += 1
-                connections.start_soon(H11Connection(stream, app, limits, state, entry).run)
+                connections.start_soon(H11Connection(stream, accepted, app, limits, state, entry).run)
             else:
                 entry.note_refusal("over the connection cap", trio.current_time())
                 connections.start_soon(_refuse_busy, stream)
