@@ -19,6 +19,7 @@ import trio.lowlevel
 import trio.testing
 
 from gridd.http.asgi import ClientDisconnected
+from gridd.http.h1_request import PlainRequestConnection, parse_plain_request
 from gridd.http.h1_response import ResponseWriter, request_keeps_alive
 from gridd.http.listeners import parse_bind
 from gridd.http.serve import serve_asgi
@@ -205,6 +206,110 @@ def test_response_writer_writes_what_h11_writes():
             method, version, connection, status, headers, bodies)
         cases += 1
     assert cases == 4 * 2 * 3 * 8 * len(_ANSWER_HEADER_SETS) * 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: the plain request read without h11 (h1_request)
+
+_REQUEST_LINES = [b"GET / HTTP/1.1", b"POST /v1/chat/completions?a=1&b=%20 HTTP/1.1", b"get /x HTTP/1.1",
+                  b"GET  / HTTP/1.1", b"GET / HTTP/1.0", b"GET / HTTP/2.0", b"CONNECT h:1 HTTP/1.1",
+                  b"GET /\x80 HTTP/1.1", b"GET / HTTP/1.1 ", b" GET / HTTP/1.1", b"G(T / HTTP/1.1"]
+_REQUEST_HEADER_SETS = [
+    [b"Host: x"],
+    [],
+    [b"Host: x", b"host: y"],
+    [b"HOST:x", b"Content-Length: 3"],
+    [b"Host: x", b"content-length: 03"],
+    [b"Host: x", b"Content-Length: 3, 3"],
+    [b"Host: x", b"Content-Length: 3", b"Content-Length: 3"],
+    [b"Host: x", b"Content-Length: x"],
+    [b"Host: x", b"Content-Length:  3 \t"],
+    [b"Host: x", b"Content-Length: " + b"9" * 21],
+    [b"Host: x", b"Transfer-Encoding: chunked"],
+    [b"Host: x", b"Expect: 100-continue", b"Content-Length: 3"],
+    [b"Host: x", b"Upgrade: websocket", b"Connection: upgrade"],
+    [b"Host: x", b"Connection: keep-alive"],
+    [b"Host: x", b"Connection: Keep-Alive"],
+    [b"Host: x", b"Connection: close"],
+    [b"Host: x", b"Connection: keep-alive, close"],
+    [b"Host: x", b"X-A: a b\tc", b"X-B:", b"X-C:  spaced  ", b"Authorization: Bearer t"],
+    [b"Host: x", b"X-A: \x80obs"],
+    [b"Host: x", b"X-A: a", b" folded"],
+    [b"Host: x", b"X Y: a"],
+    [b"Host: x", b"X-A : a"],
+    [b"Host: x", b"X-A: a\x00b"],
+    [b"Host: x", b": empty name"],
+    [b"Host: x", b"X-A: a\rb"],
+]
+
+
+def _h11_request(data):
+    """(method, target, version, headers, body, trailing) as h11 reads ``data``; None if it
+    rejects the request or needs more bytes."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(data)
+    body = b""
+    try:
+        request = conn.next_event()
+        if type(request) is not h11.Request:
+            return None
+        while type(event := conn.next_event()) is h11.Data:
+            body += event.data
+    except h11.RemoteProtocolError:
+        return None
+    if type(event) is not h11.EndOfMessage:
+        return None
+    return (request.method, request.target, request.http_version, list(request.headers), body,
+            conn.trailing_data[0])
+
+
+def _plain_request(data):
+    parsed = parse_plain_request(data)
+    if parsed is None:
+        return None
+    request, head_end, length = parsed
+    conn = PlainRequestConnection(data[:head_end], length, data[head_end:], 16384)
+    body = b""
+    while type(event := conn.next_event()) is h11.Data:
+        body += event.data
+    assert type(event) is h11.EndOfMessage, event
+    assert conn.their_state is h11.DONE and conn.our_state is h11.SEND_RESPONSE
+    return request.method, request.target, request.http_version, request.headers, body, conn.trailing_data[0]
+
+
+def test_plain_request_is_read_as_h11_reads_it_and_anything_else_is_left_to_h11():
+    """Over a grid of request lines, header sets, line endings and pipelined bytes: a request
+    this reads as plain, h11 reads to the same method, target, version, headers, body and
+    bytes after it; every one h11 rejects (or would read differently) is declined."""
+    taken = 0
+    for line, headers, newline in itertools.product(_REQUEST_LINES, _REQUEST_HEADER_SETS, [b"\r\n", b"\n"]):
+        head = newline.join([line, *headers]) + newline + newline
+        data = head + b"abc" + b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n"
+        plain = _plain_request(data)
+        if plain is not None:
+            taken += 1
+            assert plain == _h11_request(data), (line, headers, newline)
+    assert taken == 3 * 7  # plain: 3 request lines x 7 header sets, CRLF only
+
+
+def test_plain_request_body_arrives_in_pieces_and_eof_mid_body_is_an_error():
+    data = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab"
+    request, head_end, length = parse_plain_request(data)
+    assert (request.method, data[head_end:], length) == (b"POST", b"ab", 5)
+    conn = PlainRequestConnection(b"head", length, b"ab", 16384)
+    assert conn.next_event() == h11.Data(data=b"ab")
+    assert conn.next_event() is h11.NEED_DATA
+    conn.receive_data(b"cdeGET")
+    assert conn.next_event() == h11.Data(data=b"cde")
+    assert type(conn.next_event()) is h11.EndOfMessage
+    assert conn.next_event() is h11.PAUSED
+    assert conn.trailing_data == (b"GET", False)
+    cut = PlainRequestConnection(b"head", 5, b"ab", 16384)
+    cut.next_event()
+    cut.receive_data(b"")
+    with pytest.raises(h11.RemoteProtocolError):
+        cut.next_event()
+    assert cut.their_state is h11.ERROR
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import h11
 import trio
 
 from gridd.http.asgi import ClientDisconnected, Message
+from gridd.http.h1_request import PlainRequest, RequestConnection
 from gridd.http.h1_response import ResponseWriter, request_keeps_alive
 from gridd.http.limits import ServerLimits
 from gridd.http.listeners import Listener
@@ -53,7 +54,7 @@ class ServerState:
 class CycleConnection(Protocol):
     """What a request cycle uses of its connection (h11_server.H11Connection)."""
 
-    conn: h11.Connection
+    conn: RequestConnection
     limits: ServerLimits
     state: ServerState
     listener: Listener
@@ -101,7 +102,7 @@ class RequestCycle:
         "writer",
     )
 
-    def __init__(self, connection: CycleConnection, request: h11.Request,
+    def __init__(self, connection: CycleConnection, request: h11.Request | PlainRequest,
                  headers: list[tuple[bytes, bytes]]) -> None:
         self.c = connection
         self.conn = connection.conn

@@ -20,6 +20,13 @@ import h11
 import trio
 
 from gridd.http.asgi import ASGIApp, only_disconnects, reason_phrase
+from gridd.http.h1_request import (
+    HEAD_END,
+    PlainRequest,
+    PlainRequestConnection,
+    RequestConnection,
+    parse_plain_request,
+)
 from gridd.http.h11_request import RequestCycle, ServerState
 from gridd.http.limits import ServerLimits, declared_length, has_both_framings, head_size
 from gridd.http.listeners import Listener, close_listeners, open_listeners
@@ -68,7 +75,8 @@ class H11Connection:
         self.app = app
         self.limits = limits
         self.state = state
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.conn: RequestConnection = h11.Connection(h11.SERVER,
+                                                      max_incomplete_event_size=limits.max_header_bytes)
         self.server = listener.server
         self.listener = listener
         self.evicted = False
@@ -92,7 +100,6 @@ class H11Connection:
                     return
                 if outcome == "close":
                     return
-                self._start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
@@ -141,46 +148,83 @@ class H11Connection:
                 return
             await trio.lowlevel.wait_writable(sock)
 
-    def _request_now(self) -> h11.Request | h11.RemoteProtocolError | Literal["wait", "closed"]:
-        """Without waiting: the next request if it is already here (or the error that makes
-        it malformed), "closed" if the client closed, "wait" if there are no bytes yet."""
+    def _recv_now(self) -> bytes | None:
+        """What is waiting in the socket (b"" at EOF or reset), None if nothing is."""
+        try:
+            return self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
+    def _take(self, data: bytes, closed: bool) -> PlainRequest | None:
+        """``data`` (and EOF if ``closed``) starts the next request: a plain one is read here
+        (h1_request), any other is given to a fresh h11.Connection for _h11_request."""
+        plain = parse_plain_request(data)
+        if plain is not None:
+            request, head_end, length = plain
+            self.conn = PlainRequestConnection(data[:head_end], length, data[head_end:],
+                                               self.limits.max_header_bytes)
+            if closed:
+                self.conn.receive_data(b"")
+            return request
+        # h11 never saw the previous response (RequestCycle wrote it), so its own
+        # start_next_cycle does not apply: a new connection in its first cycle is that state.
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        self.conn = conn
+        if data:
+            conn.receive_data(data)
+        if closed:
+            conn.receive_data(b"")
+        return None
+
+    def _h11_request(self) -> h11.Request | h11.RemoteProtocolError | Literal["wait", "closed"]:
+        """Without waiting, from h11: the next request if it is here (or the error that makes
+        it malformed), "closed" if the client closed, "wait" if more bytes are needed."""
         conn = self.conn
+        assert isinstance(conn, h11.Connection)
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 return exc
             if event is h11.NEED_DATA:
-                try:
-                    data = self.sock.recv(_READ_BYTES)
-                except BlockingIOError:
+                data = self._recv_now()
+                if data is None:
                     return "wait"
-                except OSError:
-                    data = b""
                 conn.receive_data(data)
                 continue
             if type(event) is h11.Request:
                 return event
             return "closed"  # ConnectionClosed
 
-    async def _next_request(self) -> h11.Request | None:
+    async def _next_request(self) -> h11.Request | PlainRequest | None:
         if self.state.draining or self.evicted:
             return None
-        # A request already buffered or waiting in the socket (a busy client's next request
-        # usually is) needs no keep-alive scope: one scheduler pass and it runs.
-        ready = self._request_now()
-        if isinstance(ready, h11.RemoteProtocolError):
-            await self._send_error(ready.error_status_hint, head_only=False)
-            await self._linger()
-            return None
-        if isinstance(ready, h11.Request):
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return ready
-        if ready == "closed":
-            return None
+        # What the client sent after the previous request, and what is waiting in the socket.
+        # A request already here (a busy client's next one usually is) needs no keep-alive
+        # scope: one scheduler pass and it runs.
+        data, closed = self.conn.trailing_data
+        if not closed and HEAD_END not in data:
+            more = self._recv_now()
+            if more is not None:
+                data += more
+                closed = not more
+        untouched = not data and not closed
+        if not untouched:
+            plain = self._take(data, closed)
+            ready = plain if plain is not None else self._h11_request()
+            if isinstance(ready, h11.RemoteProtocolError):
+                await self._send_error(ready.error_status_hint, head_only=False)
+                await self._linger()
+                return None
+            if ready == "closed":
+                return None
+            if ready != "wait":
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return ready
         # The keep-alive bound covers the whole wait for a complete request head, which also
         # bounds a client trickling a head byte by byte.
-        conn = self.conn
         wait_first = True
         with trio.move_on_after(self.limits.keep_alive_s) as scope:
             self.state.idle_scopes.add(scope)
@@ -189,6 +233,13 @@ class H11Connection:
                 if self.state.draining or self.evicted:
                     return None
                 while True:
+                    if untouched:  # the first bytes of the request: plain, or h11's
+                        data = await self.receive_bytes(wait_first)
+                        wait_first = untouched = False
+                        if (plain := self._take(data, not data)) is not None:
+                            return plain
+                        continue
+                    conn = self.conn
                     try:
                         event = conn.next_event()
                     except h11.RemoteProtocolError as exc:
@@ -207,7 +258,7 @@ class H11Connection:
                 self.listener.waiting.pop(self, None)
         return None
 
-    async def _cycle(self, request: h11.Request) -> str:
+    async def _cycle(self, request: h11.Request | PlainRequest) -> str:
         """Run the app for one request; "keep", "close" or "linger" (close after draining input)."""
         headers = list(request.headers)
         if head_size(request.method, request.target, headers) > self.limits.max_header_bytes:
@@ -268,17 +319,6 @@ class H11Connection:
         if self.conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
             return "linger"
         return "keep"
-
-    def _start_next_cycle(self) -> None:
-        """A fresh h11.Connection for the next request, holding what the client already sent.
-        h11 never saw the app's response (RequestCycle wrote it), so its own start_next_cycle
-        does not apply; a new connection in its first cycle is the same state, for 1 us."""
-        data, closed = self.conn.trailing_data
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-        if data:
-            self.conn.receive_data(data)
-        if closed:
-            self.conn.receive_data(b"")
 
     async def _after_failed_cycle(self, cycle: RequestCycle, status: int) -> str:
         if cycle.disconnected or cycle.head_sent or self.conn.our_state is not h11.SEND_RESPONSE:
