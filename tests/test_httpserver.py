@@ -498,6 +498,38 @@ async def test_client_disconnect_mid_stream_reaches_receive(backend):
             await disconnected.wait()
 
 
+async def test_a_second_task_writing_while_a_write_waits_gets_busy_resource_error():
+    """The server writes to the socket itself: two tasks' bytes must not interleave, so a
+    write that starts while another waits for the socket fails (as trio's stream did)."""
+    outcome = []
+    done = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        async def second():
+            await trio.sleep(0.2)  # the first write is waiting: the client reads nothing
+            try:
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            except trio.BusyResourceError:
+                outcome.append("busy")
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second)
+            with trio.move_on_after(BOUND_S):
+                await send({"type": "http.response.body", "body": b"y" * (64 << 20), "more_body": True})
+
+    async with serving(app, "h11") as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            await done.wait()
+        await raw.stream.aclose()
+    assert outcome == ["busy"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_send_after_disconnect_raises_client_disconnected(backend):
     outcome = []

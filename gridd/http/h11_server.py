@@ -59,7 +59,7 @@ class H11Connection:
     """One client connection: a loop of request/response cycles on one h11.Connection."""
 
     __slots__ = ("stream", "sock", "app", "limits", "state", "conn", "client", "server", "listener",
-                 "evicted")
+                 "evicted", "sending")
 
     def __init__(
         self,
@@ -80,6 +80,7 @@ class H11Connection:
         self.server = listener.server
         self.listener = listener
         self.evicted = False
+        self.sending = False  # a write is waiting for the socket (send_all)
         self.client: tuple[str, int] | None = None
         if stream.socket.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -132,7 +133,11 @@ class H11Connection:
             await trio.lowlevel.wait_readable(sock)
 
     async def send_all(self, data: bytes) -> None:
-        """Write all of ``data``; trio.BrokenResourceError once the client is gone."""
+        """Write all of ``data``; trio.BrokenResourceError once the client is gone, and
+        trio.BusyResourceError if another task's write is waiting (as trio's stream does:
+        bytes of two writes must not interleave)."""
+        if self.sending:
+            raise trio.BusyResourceError("another task is writing to this connection")
         await trio.lowlevel.checkpoint_if_cancelled()
         sock = self.sock
         view = memoryview(data)
@@ -146,7 +151,11 @@ class H11Connection:
                 raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
             if sent >= len(view):
                 return
-            await trio.lowlevel.wait_writable(sock)
+            self.sending = True
+            try:
+                await trio.lowlevel.wait_writable(sock)
+            finally:
+                self.sending = False
 
     def _recv_now(self) -> bytes | None:
         """What is waiting in the socket (b"" at EOF or reset), None if nothing is."""
