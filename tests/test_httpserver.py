@@ -498,6 +498,40 @@ async def test_client_disconnect_mid_stream_reaches_receive(backend):
             await disconnected.wait()
 
 
+async def test_writes_done_at_once_still_let_other_tasks_run():
+    """The server writes to the socket itself and passes the scheduler on every 16th write
+    done at once (trio's stream did on every one): an app that streams without any other
+    await still lets other tasks run, and the client gets every chunk."""
+    ticks = 0
+    seen = []
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        before = ticks
+        for i in range(320):
+            await send({"type": "http.response.body", "body": b"%03d;" % i, "more_body": True})
+        seen.append(ticks - before)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        async with serving(app, "h11") as urls:
+            raw = await RawClient.connect(urls[0])
+            await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, body = await raw.response()
+            await raw.stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert (status, body) == (200, b"".join(b"%03d;" % i for i in range(320)))
+    assert seen[0] >= 320 // 16 - 1
+
+
 async def test_a_second_task_writing_while_a_write_waits_gets_busy_resource_error():
     """The server writes to the socket itself: two tasks' bytes must not interleave, so a
     write that starts while another waits for the socket fails (as trio's stream did)."""

@@ -41,6 +41,10 @@ logger = logging.getLogger("gridd.http")
 _LINGER_S = 2.0
 _LINGER_MAX_BYTES = 32 * 1024 * 1024
 _READ_BYTES = 64 * 1024
+# A connection whose reads and writes complete at once passes the scheduler after this many of
+# them (trio's stream passes it on every call): no connection holds the event loop for long,
+# and a request of the front (one read, one to a dozen writes) rarely pays for a pass.
+_IO_CALLS_PER_PASS = 16
 # accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_S = 0.1
@@ -59,7 +63,7 @@ class H11Connection:
     """One client connection: a loop of request/response cycles on one h11.Connection."""
 
     __slots__ = ("stream", "sock", "app", "limits", "state", "conn", "client", "server", "listener",
-                 "evicted", "sending")
+                 "evicted", "sending", "unyielded")
 
     def __init__(
         self,
@@ -81,6 +85,7 @@ class H11Connection:
         self.listener = listener
         self.evicted = False
         self.sending = False  # a write is waiting for the socket (send_all)
+        self.unyielded = 0  # reads and writes done at once since the last scheduler pass
         self.client: tuple[str, int] | None = None
         if stream.socket.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -113,8 +118,14 @@ class H11Connection:
     # The connection's own reads and writes go to the socket itself rather than through
     # trio.SocketStream: bytes already waiting are read, and a write the kernel takes whole is
     # done, without the scheduler pass and the context managers trio's stream adds to every
-    # call (each request cycle still passes the scheduler once, in _next_request). They
-    # checkpoint on cancellation as trio's calls do.
+    # call; a wait passes the scheduler, and so does every _IO_CALLS_PER_PASS-th call done at
+    # once. They check for cancellation first, as trio's calls do.
+
+    async def _pass_now_and_then(self) -> None:
+        self.unyielded += 1
+        if self.unyielded >= _IO_CALLS_PER_PASS:
+            self.unyielded = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def receive_bytes(self, wait_first: bool = False) -> bytes:
         """The bytes waiting in the socket, else the next that arrive; b"" on EOF or reset.
@@ -123,14 +134,18 @@ class H11Connection:
         sock = self.sock
         if wait_first:
             await trio.lowlevel.wait_readable(sock)
+            self.unyielded = 0
         while True:
             try:
-                return sock.recv(_READ_BYTES)
+                data = sock.recv(_READ_BYTES)
             except BlockingIOError:
-                pass
+                await trio.lowlevel.wait_readable(sock)
+                self.unyielded = 0
+                continue
             except OSError:
-                return b""
-            await trio.lowlevel.wait_readable(sock)
+                data = b""
+            await self._pass_now_and_then()
+            return data
 
     async def send_all(self, data: bytes) -> None:
         """Write all of ``data``; trio.BrokenResourceError once the client is gone, and
@@ -150,12 +165,14 @@ class H11Connection:
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
             if sent >= len(view):
+                await self._pass_now_and_then()
                 return
             self.sending = True
             try:
                 await trio.lowlevel.wait_writable(sock)
             finally:
                 self.sending = False
+            self.unyielded = 0
 
     def _recv_now(self) -> bytes | None:
         """What is waiting in the socket (b"" at EOF or reset), None if nothing is."""
@@ -212,7 +229,7 @@ class H11Connection:
             return None
         # What the client sent after the previous request, and what is waiting in the socket.
         # A request already here (a busy client's next one usually is) needs no keep-alive
-        # scope: one scheduler pass and it runs.
+        # scope, and runs at once.
         data, closed = self.conn.trailing_data
         if not closed and HEAD_END not in data:
             more = self._recv_now()
@@ -230,7 +247,7 @@ class H11Connection:
             if ready == "closed":
                 return None
             if ready != "wait":
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await self._pass_now_and_then()
                 return ready
         # The keep-alive bound covers the whole wait for a complete request head, which also
         # bounds a client trickling a head byte by byte.
