@@ -1,6 +1,6 @@
 """Benchmark gridd's two ASGI serving backends: hypercorn's trio worker vs the h11 server.
 
-    .venv/bin/python benchmarks/http_server.py [--rounds 3] [--scale 1.0]
+    .venv/bin/python benchmarks/http_server.py [--rounds 3] [--scale 1.0] [--src DIR]
 
 The same tiny ASGI app is served by each backend in a child process (this script with --serve);
 the parent drives load over loopback with raw keep-alive sockets (a minimal HTTP/1.1 client, so
@@ -9,7 +9,10 @@ CPU 1 and the parent to CPU 0; load generator and server still share one machine
 
 Figures are per round, then the median over rounds. Every phase is bounded by a request count
 and a time cap (PHASE_CAP_S); a phase that hits the cap is flagged "capped" in the table. Rounds
-alternate the backends to spread drift evenly.
+alternate the backends to spread drift evenly. "server CPU us/req" is the child's utime + stime
+(from /proc) around the phase per request: the figure to compare on a shared machine.
+``--src DIR`` imports gridd from another checkout in the children (an older commit's server,
+measured by the same script).
 Last line: h11_vs_hypercorn_rps_ratio=<small GET req/s at concurrency 8, h11 / hypercorn>.
 """
 
@@ -92,9 +95,12 @@ async def bench_app(scope, receive, send):
     await send({"type": "http.response.body", "body": payload})
 
 
-def run_child(backend: str, cpu: int | None) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+def run_child(backend: str, cpu: int | None, src: str) -> None:
+    sys.path.insert(0, src)
     from gridd.http.serve import serve_asgi
+
+    if not os.path.samefile(os.path.dirname(sys.modules["gridd"].__file__ or ""), os.path.join(src, "gridd")):
+        raise RuntimeError(f"the server would not run the gridd of {src}")
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -145,11 +151,21 @@ def phases(scale: float) -> list[Phase]:
     ]
 
 
-def start_child(backend: str, cpu: int | None) -> tuple[subprocess.Popen, str, int]:
-    args = [sys.executable, os.path.abspath(__file__), "--serve", backend]
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_child(backend: str, cpu: int | None, src: str) -> tuple[subprocess.Popen, str, int]:
+    args = [sys.executable, os.path.abspath(__file__), "--serve", backend, "--src", src]
     if cpu is not None:
         args += ["--cpu", str(cpu)]
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    # PYTHONPATH too: this module imports gridd (childprocs) before run_child can put ``src``
+    # first on sys.path, and the gridd package already imported is the one its modules load from.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
     ready, _, _ = select.select([child.stdout], [], [], CHILD_START_CAP_S)
     if not ready:
         stop_processes([child], grace_s=5)
@@ -170,9 +186,12 @@ def main() -> None:
     parser.add_argument("--cpu", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    parser.add_argument("--src", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                        help="the checkout the servers import gridd from (default: this one)")
     args = parser.parse_args()
+    args.src = os.path.abspath(args.src)
     if args.serve:
-        run_child(args.serve, args.cpu)
+        run_child(args.serve, args.cpu, args.src)
         return
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -182,18 +201,21 @@ def main() -> None:
     plan = phases(args.scale)
     # results[backend][phase key] -> list of PhaseResult, one per round
     results: dict[str, dict[str, list[PhaseResult]]] = {b: {p.key: [] for p in plan} for b in BACKENDS}
+    server_cpu_us: dict[str, dict[str, list[float]]] = {b: {p.key: [] for p in plan} for b in BACKENDS}
     for round_no in range(args.rounds):
         order = BACKENDS if round_no % 2 == 0 else tuple(reversed(BACKENDS))
         for backend in order:
-            child, host, port = start_child(backend, server_cpu)
+            child, host, port = start_child(backend, server_cpu, args.src)
             try:
 
-                async def drive(host=host, port=port, backend=backend):
+                async def drive(host=host, port=port, backend=backend, pid=child.pid):
                     await run_phase(host, port, plan[1].request, 8, max(10, int(200 * args.scale)))  # warm-up
                     for phase in plan:
-                        results[backend][phase.key].append(
-                            await run_phase(host, port, phase.request, phase.concurrency, phase.per_conn)
-                        )
+                        before = cpu_seconds(pid)
+                        run = await run_phase(host, port, phase.request, phase.concurrency, phase.per_conn)
+                        results[backend][phase.key].append(run)
+                        used = cpu_seconds(pid) - before
+                        server_cpu_us[backend][phase.key].append(1e6 * used / max(1, len(run.total_s)))
 
                 trio.run(drive)
             finally:
@@ -206,14 +228,14 @@ def main() -> None:
 
     print(
         f"# {len(cpus)} CPUs; server pinned to CPU {server_cpu}, load generator to CPU {cpus[0]}; "
-        f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
+        f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}; gridd from {args.src}"
     )
     print("| phase | metric | h11 | hypercorn | h11/hypercorn |")
     print("|---|---|---|---|---|")
     rps = {}
     for phase in plan:
         unit = "streams/s" if phase.key.startswith("sse") else "req/s"
-        metrics = [(unit, None, None)]
+        metrics = [(unit, None, None), ("server CPU us/req", "cpu", None)]
         if phase.key.startswith("sse"):
             metrics += [("TTFB p50 ms", "first_s", 0.5), ("TTFB p99 ms", "first_s", 0.99)]
             metrics += [("total p50 ms", "total_s", 0.5), ("total p99 ms", "total_s", 0.99)]
@@ -227,7 +249,10 @@ def main() -> None:
                 runs = results[backend][phase.key]
                 # Each figure is computed per round, then the median over rounds is reported, so
                 # one round disturbed by the VM's neighbours does not set a tail percentile.
-                if q is None:
+                if source == "cpu":
+                    value = statistics.median(server_cpu_us[backend][phase.key])
+                    cells.append(f"{value:.0f}")
+                elif q is None:
                     value = statistics.median(len(r.total_s) / r.wall_s for r in runs)
                     capped = " (capped)" if any(r.capped for r in runs) else ""
                     cells.append(f"{value:.0f}{capped}")
@@ -236,7 +261,7 @@ def main() -> None:
                     cells.append(f"{value:.2f}")
                 values.append(value)
             print(f"| {label} | {name} | {cells[0]} | {cells[1]} | {values[0] / values[1]:.2f} |")
-            if q is None:
+            if q is None and source is None:
                 rps[phase.key] = tuple(values)
     print(f"h11_vs_hypercorn_rps_ratio={rps['get_c8'][0] / rps['get_c8'][1]:.2f}")
 

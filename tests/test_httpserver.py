@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import http
+import itertools
 import logging
 import os
 import socket
@@ -17,6 +19,8 @@ import trio.lowlevel
 import trio.testing
 
 from gridd.http.asgi import ClientDisconnected
+from gridd.http.h1_request import PlainRequestConnection, parse_plain_request
+from gridd.http.h1_response import ResponseWriter, request_keeps_alive
 from gridd.http.listeners import parse_bind
 from gridd.http.serve import serve_asgi
 
@@ -121,6 +125,191 @@ def test_parse_bind_accepts(bind, parsed):
 def test_parse_bind_rejects(bind):
     with pytest.raises(ValueError):
         parse_bind(bind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: the app's response as h11 would write it (h1_response)
+
+_ANSWER_HEADER_SETS = [
+    [],
+    [(b"content-type", b"application/json"), (b"x-gridd-served-by", b"a/b")],
+    [(b"Content-Length", b"5")],
+    [(b"content-length", b"05"), (b"date", b"Tue, 01 Dec 2026 15:00:00 GMT")],
+    [(b"content-length", b"5"), (b"content-length", b"5")],
+    [(b"content-length", b"5, 5")],
+    [(b"content-length", b"5"), (b"content-length", b"6")],
+    [(b"content-length", b"x")],
+    [(b"content-length", b"1" * 21)],
+    [(b"transfer-encoding", b"chunked")],
+    [(b"Transfer-Encoding", b"Chunked"), (b"content-length", b"5")],
+    [(b"transfer-encoding", b"gzip")],
+    [(b"connection", b"close")],
+    [(b"x", b"1"), (b"CONNECTION", b"keep-alive")],
+    [(b"connection", b"Upgrade, close"), (b"content-length", b"5")],
+    [(b"x-a", b"1"), (b"Host", b"h"), (b"content-length", b"5")],
+    [(b"bad name", b"v")],
+    [(b"", b"v")],
+    [(b"x", b"a\x00b")],
+    [(b"x", b" lead")],
+    [(b"x", b"tab\tin"), (b"y", b"obs\x80text"), (b"z", b"")],
+    [(b"x", b"nl\nx")],
+]
+
+
+def _h11_answer(request_bytes, status, headers, bodies):
+    """h11.Connection.send's bytes for one answer, and where it raised (None: nowhere)."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(request_bytes)
+    while type(event := conn.next_event()) is not h11.EndOfMessage:
+        if type(event) is h11.Request:
+            request = event
+    out = b""
+    try:
+        out += conn.send(h11.Response(status_code=status, headers=list(headers)))
+        for body in bodies:
+            out += conn.send(h11.Data(data=body))
+        out += conn.send(h11.EndOfMessage())
+    except h11.LocalProtocolError:
+        return request, out, "raised", None
+    return request, out, None, conn.our_state is h11.DONE
+
+
+def _writer_answer(request, status, headers, bodies):
+    headers_seen = list(request.headers)
+    writer = ResponseWriter(request.method, request.http_version,
+                            request_keeps_alive(request.http_version, headers_seen))
+    out = b""
+    try:
+        out += writer.head(status, list(headers))
+        for body in bodies:
+            out += writer.data(body)
+        out += writer.end()
+    except h11.LocalProtocolError:
+        return out, "raised", None
+    return out, None, writer.keep_alive
+
+
+def test_response_writer_writes_what_h11_writes():
+    """Every combination of request method, HTTP version and Connection header with an
+    answer's status, headers and body messages: the same bytes, the same errors (after the
+    same bytes), the same keep-alive decision as h11's own Connection.send."""
+    cases = 0
+    for method, version, connection, status, headers, bodies in itertools.product(
+        [b"GET", b"HEAD", b"POST", b"CONNECT"], [b"1.0", b"1.1"], [None, b"close", b"Keep-Alive, Upgrade"],
+        [200, 204, 304, 404, 101, 1000, "200", http.HTTPStatus.OK], _ANSWER_HEADER_SETS,
+        [[], [b"hello"], [b"he", b"llo"], [b"hello!"], [b"hel"]],
+    ):
+        request_bytes = (method + b" / HTTP/" + version + b"\r\nHost: x\r\n"
+                         + (b"Connection: " + connection + b"\r\n" if connection else b"") + b"\r\n")
+        request, *expected = _h11_answer(request_bytes, status, headers, bodies)
+        assert _writer_answer(request, status, headers, bodies) == tuple(expected), (
+            method, version, connection, status, headers, bodies)
+        cases += 1
+    assert cases == 4 * 2 * 3 * 8 * len(_ANSWER_HEADER_SETS) * 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: the plain request read without h11 (h1_request)
+
+_REQUEST_LINES = [b"GET / HTTP/1.1", b"POST /v1/chat/completions?a=1&b=%20 HTTP/1.1", b"get /x HTTP/1.1",
+                  b"GET  / HTTP/1.1", b"GET / HTTP/1.0", b"GET / HTTP/2.0", b"CONNECT h:1 HTTP/1.1",
+                  b"GET /\x80 HTTP/1.1", b"GET / HTTP/1.1 ", b" GET / HTTP/1.1", b"G(T / HTTP/1.1"]
+_REQUEST_HEADER_SETS = [
+    [b"Host: x"],
+    [],
+    [b"Host: x", b"host: y"],
+    [b"HOST:x", b"Content-Length: 3"],
+    [b"Host: x", b"content-length: 03"],
+    [b"Host: x", b"Content-Length: 3, 3"],
+    [b"Host: x", b"Content-Length: 3", b"Content-Length: 3"],
+    [b"Host: x", b"Content-Length: x"],
+    [b"Host: x", b"Content-Length:  3 \t"],
+    [b"Host: x", b"Content-Length: " + b"9" * 21],
+    [b"Host: x", b"Transfer-Encoding: chunked"],
+    [b"Host: x", b"Expect: 100-continue", b"Content-Length: 3"],
+    [b"Host: x", b"Upgrade: websocket", b"Connection: upgrade"],
+    [b"Host: x", b"Connection: keep-alive"],
+    [b"Host: x", b"Connection: Keep-Alive"],
+    [b"Host: x", b"Connection: close"],
+    [b"Host: x", b"Connection: keep-alive, close"],
+    [b"Host: x", b"X-A: a b\tc", b"X-B:", b"X-C:  spaced  ", b"Authorization: Bearer t"],
+    [b"Host: x", b"X-A: \x80obs"],
+    [b"Host: x", b"X-A: a", b" folded"],
+    [b"Host: x", b"X Y: a"],
+    [b"Host: x", b"X-A : a"],
+    [b"Host: x", b"X-A: a\x00b"],
+    [b"Host: x", b": empty name"],
+    [b"Host: x", b"X-A: a\rb"],
+]
+
+
+def _h11_request(data):
+    """(method, target, version, headers, body, trailing) as h11 reads ``data``; None if it
+    rejects the request or needs more bytes."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(data)
+    body = b""
+    try:
+        request = conn.next_event()
+        if type(request) is not h11.Request:
+            return None
+        while type(event := conn.next_event()) is h11.Data:
+            body += event.data
+    except h11.RemoteProtocolError:
+        return None
+    if type(event) is not h11.EndOfMessage:
+        return None
+    return (request.method, request.target, request.http_version, list(request.headers), body,
+            conn.trailing_data[0])
+
+
+def _plain_request(data):
+    parsed = parse_plain_request(data)
+    if parsed is None:
+        return None
+    request, head_end, length = parsed
+    conn = PlainRequestConnection(data[:head_end], length, data[head_end:], 16384)
+    body = b""
+    while type(event := conn.next_event()) is h11.Data:
+        body += event.data
+    assert type(event) is h11.EndOfMessage, event
+    assert conn.their_state is h11.DONE and conn.our_state is h11.SEND_RESPONSE
+    return request.method, request.target, request.http_version, request.headers, body, conn.trailing_data[0]
+
+
+def test_plain_request_is_read_as_h11_reads_it_and_anything_else_is_left_to_h11():
+    """Over a grid of request lines, header sets, line endings and pipelined bytes: a request
+    this reads as plain, h11 reads to the same method, target, version, headers, body and
+    bytes after it; every one h11 rejects (or would read differently) is declined."""
+    taken = 0
+    for line, headers, newline in itertools.product(_REQUEST_LINES, _REQUEST_HEADER_SETS, [b"\r\n", b"\n"]):
+        head = newline.join([line, *headers]) + newline + newline
+        data = head + b"abc" + b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n"
+        plain = _plain_request(data)
+        if plain is not None:
+            taken += 1
+            assert plain == _h11_request(data), (line, headers, newline)
+    assert taken == 3 * 7  # plain: 3 request lines x 7 header sets, CRLF only
+
+
+def test_plain_request_body_arrives_in_pieces_and_eof_mid_body_is_an_error():
+    data = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab"
+    request, head_end, length = parse_plain_request(data)
+    assert (request.method, data[head_end:], length) == (b"POST", b"ab", 5)
+    conn = PlainRequestConnection(b"head", length, b"ab", 16384)
+    assert conn.next_event() == h11.Data(data=b"ab")
+    assert conn.next_event() is h11.NEED_DATA
+    conn.receive_data(b"cdeGET")
+    assert conn.next_event() == h11.Data(data=b"cde")
+    assert type(conn.next_event()) is h11.EndOfMessage
+    assert conn.next_event() is h11.PAUSED
+    assert conn.trailing_data == (b"GET", False)
+    cut = PlainRequestConnection(b"head", 5, b"ab", 16384)
+    cut.next_event()
+    cut.receive_data(b"")
+    with pytest.raises(h11.RemoteProtocolError):
+        cut.next_event()
+    assert cut.their_state is h11.ERROR
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +498,72 @@ async def test_client_disconnect_mid_stream_reaches_receive(backend):
             await disconnected.wait()
 
 
+async def test_writes_done_at_once_still_let_other_tasks_run():
+    """The server writes to the socket itself and passes the scheduler on every 16th write
+    done at once (trio's stream did on every one): an app that streams without any other
+    await still lets other tasks run, and the client gets every chunk."""
+    ticks = 0
+    seen = []
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        before = ticks
+        for i in range(320):
+            await send({"type": "http.response.body", "body": b"%03d;" % i, "more_body": True})
+        seen.append(ticks - before)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        async with serving(app, "h11") as urls:
+            raw = await RawClient.connect(urls[0])
+            await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, body = await raw.response()
+            await raw.stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert (status, body) == (200, b"".join(b"%03d;" % i for i in range(320)))
+    assert seen[0] >= 320 // 16 - 1
+
+
+async def test_a_second_task_writing_while_a_write_waits_gets_busy_resource_error():
+    """The server writes to the socket itself: two tasks' bytes must not interleave, so a
+    write that starts while another waits for the socket fails (as trio's stream did)."""
+    outcome = []
+    done = trio.Event()
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        async def second():
+            await trio.sleep(0.2)  # the first write is waiting: the client reads nothing
+            try:
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            except trio.BusyResourceError:
+                outcome.append("busy")
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second)
+            with trio.move_on_after(BOUND_S):
+                await send({"type": "http.response.body", "body": b"y" * (64 << 20), "more_body": True})
+
+    async with serving(app, "h11") as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(BOUND_S):
+            await done.wait()
+        await raw.stream.aclose()
+    assert outcome == ["busy"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_send_after_disconnect_raises_client_disconnected(backend):
     outcome = []
@@ -391,6 +646,23 @@ async def test_oversized_request_head_trickling_in_is_431(backend):
             await trio.sleep(0.01)
         data = await raw.recv_until_closed()
         assert data.startswith(b"HTTP/1.1 431 ")
+        await raw.stream.aclose()
+
+
+async def test_oversized_head_pipelined_after_a_request_is_431_after_its_answer():
+    """The next request's head is already buffered when the first answer is done (the path
+    that takes it without waiting): over the head limit and incomplete, it gets 431."""
+    async def app(scope, receive, send):
+        await respond(send, 200, b"fine")
+
+    async with serving(app, "h11", max_header_bytes=1024) as urls:
+        raw = await RawClient.connect(urls[0])
+        await raw.stream.send_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n"
+                                  b"GET /second HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 2048)
+        data = await raw.recv_until_closed()
+        assert data.startswith(b"HTTP/1.1 200 ")
+        assert data.count(b"HTTP/1.1 ") == 2
+        assert b"\r\n\r\nfineHTTP/1.1 431 " in data
         await raw.stream.aclose()
 
 

@@ -14,6 +14,8 @@ import h11
 import trio
 
 from gridd.http.asgi import ClientDisconnected, Message
+from gridd.http.h1_request import PlainRequest, RequestConnection
+from gridd.http.h1_response import ResponseWriter, request_keeps_alive
 from gridd.http.limits import ServerLimits
 from gridd.http.listeners import Listener
 
@@ -52,14 +54,15 @@ class ServerState:
 class CycleConnection(Protocol):
     """What a request cycle uses of its connection (h11_server.H11Connection)."""
 
-    stream: trio.SocketStream
-    conn: h11.Connection
+    conn: RequestConnection
     limits: ServerLimits
     state: ServerState
     listener: Listener
     evicted: bool
 
-    async def receive_bytes(self) -> bytes: ...
+    async def receive_bytes(self, wait_first: bool = False) -> bytes: ...
+
+    async def send_all(self, data: bytes) -> None: ...
 
 
 def _missing_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bool, bool]:
@@ -96,12 +99,14 @@ class RequestCycle:
         "headers",
         "head_sent",
         "complete",
+        "writer",
     )
 
-    def __init__(self, connection: CycleConnection, is_head: bool) -> None:
+    def __init__(self, connection: CycleConnection, request: h11.Request | PlainRequest,
+                 headers: list[tuple[bytes, bytes]]) -> None:
         self.c = connection
         self.conn = connection.conn
-        self.is_head = is_head
+        self.is_head = request.method == b"HEAD"
         self.body_done = False
         self.body_bytes = 0
         self.disconnected = False
@@ -118,6 +123,14 @@ class RequestCycle:
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_sent = False
         self.complete = False
+        # The app's response is written by this, not by self.conn (h1_response: same bytes).
+        self.writer = ResponseWriter(request.method, request.http_version,
+                                     request_keeps_alive(request.http_version, headers))
+
+    @property
+    def keeps_alive(self) -> bool:
+        """The response is complete and the connection may carry the next request."""
+        return self.complete and self.writer.keep_alive
 
     def release_buffered(self) -> None:
         self.c.state.buffered_bytes -= self.buffered
@@ -148,9 +161,13 @@ class RequestCycle:
         # Pipelined requests that arrive meanwhile are buffered in h11, up to the head limit;
         # past it, what arrives is discarded (still read, so a hang-up is seen) and the
         # connection closes after this response.
+        # Nothing is expected (a client waits for its answer): wait for the socket before
+        # reading, so that a watch that ends with the response costs no failed read.
         conn = self.conn
+        wait_first = True
         while True:
-            data = await self.c.receive_bytes()
+            data = await self.c.receive_bytes(wait_first)
+            wait_first = False
             if not data:
                 self.disconnected = True
                 return {"type": "http.disconnect"}
@@ -237,7 +254,7 @@ class RequestCycle:
                 raise RuntimeError("http.response.body outside a started, unfinished response")
             body = message.get("body", b"")
             more = message.get("more_body", False)
-            conn = self.conn
+            writer = self.writer
             if self.head_sent:
                 out = b""
             else:
@@ -259,12 +276,12 @@ class RequestCycle:
                     headers.append((b"date", self.c.state.date_header()))
                 if self.c.state.draining:
                     headers.append((b"connection", b"close"))
-                out = conn.send(h11.Response(status_code=status, headers=headers))
+                out = writer.head(status, headers)
                 self.head_sent = True
             if body and not self.is_head:
-                out += conn.send(h11.Data(data=body))
+                out += writer.data(body)
             if not more:
-                out += conn.send(h11.EndOfMessage())
+                out += writer.end()
                 self.complete = True
             if out:
                 await self._send_bytes(out)
@@ -280,7 +297,7 @@ class RequestCycle:
 
     async def _send_bytes(self, data: bytes) -> None:
         try:
-            await self.c.stream.send_all(data)
+            await self.c.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.disconnected = True
             raise ClientDisconnected("client disconnected") from exc

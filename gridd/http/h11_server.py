@@ -13,12 +13,20 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from typing import Literal
 from urllib.parse import unquote
 
 import h11
 import trio
 
 from gridd.http.asgi import ASGIApp, only_disconnects, reason_phrase
+from gridd.http.h1_request import (
+    HEAD_END,
+    PlainRequest,
+    PlainRequestConnection,
+    RequestConnection,
+    parse_plain_request,
+)
 from gridd.http.h11_request import RequestCycle, ServerState
 from gridd.http.limits import ServerLimits, declared_length, has_both_framings, head_size
 from gridd.http.listeners import Listener, close_listeners, open_listeners
@@ -33,6 +41,10 @@ logger = logging.getLogger("gridd.http")
 _LINGER_S = 2.0
 _LINGER_MAX_BYTES = 32 * 1024 * 1024
 _READ_BYTES = 64 * 1024
+# A connection whose reads and writes complete at once passes the scheduler after this many of
+# them (trio's stream passes it on every call): no connection holds the event loop for long,
+# and a request of the front (one read, one to a dozen writes) rarely pays for a pass.
+_IO_CALLS_PER_PASS = 16
 # accept() errors that mean "out of descriptors/memory": wait and retry instead of dying.
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_S = 0.1
@@ -50,24 +62,30 @@ _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain
 class H11Connection:
     """One client connection: a loop of request/response cycles on one h11.Connection."""
 
-    __slots__ = ("stream", "app", "limits", "state", "conn", "client", "server", "listener", "evicted")
+    __slots__ = ("stream", "sock", "app", "limits", "state", "conn", "client", "server", "listener",
+                 "evicted", "sending", "unyielded")
 
     def __init__(
         self,
         stream: trio.SocketStream,
+        sock: socket.socket,
         app: ASGIApp,
         limits: ServerLimits,
         state: ServerState,
         listener: Listener,
     ) -> None:
         self.stream = stream
+        self.sock = sock  # stream's own (non-blocking) socket: receive_bytes and send_all use it
         self.app = app
         self.limits = limits
         self.state = state
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.conn: RequestConnection = h11.Connection(h11.SERVER,
+                                                      max_incomplete_event_size=limits.max_header_bytes)
         self.server = listener.server
         self.listener = listener
         self.evicted = False
+        self.sending = False  # a write is waiting for the socket (send_all)
+        self.unyielded = 0  # reads and writes done at once since the last scheduler pass
         self.client: tuple[str, int] | None = None
         if stream.socket.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -88,7 +106,6 @@ class H11Connection:
                     return
                 if outcome == "close":
                     return
-                self.conn.start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
@@ -98,17 +115,143 @@ class H11Connection:
             self.listener.open -= 1
             await self.stream.aclose()
 
-    async def receive_bytes(self) -> bytes:
-        """b"" on EOF, reset or a locally closed stream."""
+    # The connection's own reads and writes go to the socket itself rather than through
+    # trio.SocketStream: bytes already waiting are read, and a write the kernel takes whole is
+    # done, without the scheduler pass and the context managers trio's stream adds to every
+    # call; a wait passes the scheduler, and so does every _IO_CALLS_PER_PASS-th call done at
+    # once. They check for cancellation first, as trio's calls do.
+
+    async def _pass_now_and_then(self) -> None:
+        self.unyielded += 1
+        if self.unyielded >= _IO_CALLS_PER_PASS:
+            self.unyielded = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def receive_bytes(self, wait_first: bool = False) -> bytes:
+        """The bytes waiting in the socket, else the next that arrive; b"" on EOF or reset.
+        wait_first: the caller expects nothing to be waiting (skip the read that would fail)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        sock = self.sock
+        if wait_first:
+            await trio.lowlevel.wait_readable(sock)
+            self.unyielded = 0
+        while True:
+            try:
+                data = sock.recv(_READ_BYTES)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                self.unyielded = 0
+                continue
+            except OSError:
+                data = b""
+            await self._pass_now_and_then()
+            return data
+
+    async def send_all(self, data: bytes) -> None:
+        """Write all of ``data``; trio.BrokenResourceError once the client is gone, and
+        trio.BusyResourceError if another task's write is waiting (as trio's stream does:
+        bytes of two writes must not interleave)."""
+        if self.sending:
+            raise trio.BusyResourceError("another task is writing to this connection")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        sock = self.sock
+        view = memoryview(data)
+        sent = 0
+        while True:
+            try:
+                sent += sock.send(view[sent:] if sent else view)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+            if sent >= len(view):
+                await self._pass_now_and_then()
+                return
+            self.sending = True
+            try:
+                await trio.lowlevel.wait_writable(sock)
+            finally:
+                self.sending = False
+            self.unyielded = 0
+
+    def _recv_now(self) -> bytes | None:
+        """What is waiting in the socket (b"" at EOF or reset), None if nothing is."""
         try:
-            return await self.stream.receive_some(_READ_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return None
+        except OSError:
             return b""
 
-    async def _next_request(self) -> h11.Request | None:
+    def _take(self, data: bytes, closed: bool) -> PlainRequest | None:
+        """``data`` (and EOF if ``closed``) starts the next request: a plain one is read here
+        (h1_request), any other is given to a fresh h11.Connection for _h11_request."""
+        plain = parse_plain_request(data)
+        if plain is not None:
+            request, head_end, length = plain
+            self.conn = PlainRequestConnection(data[:head_end], length, data[head_end:],
+                                               self.limits.max_header_bytes)
+            if closed:
+                self.conn.receive_data(b"")
+            return request
+        # h11 never saw the previous response (RequestCycle wrote it), so its own
+        # start_next_cycle does not apply: a new connection in its first cycle is that state.
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        self.conn = conn
+        if data:
+            conn.receive_data(data)
+        if closed:
+            conn.receive_data(b"")
+        return None
+
+    def _h11_request(self) -> h11.Request | h11.RemoteProtocolError | Literal["wait", "closed"]:
+        """Without waiting, from h11: the next request if it is here (or the error that makes
+        it malformed), "closed" if the client closed, "wait" if more bytes are needed."""
+        conn = self.conn
+        assert isinstance(conn, h11.Connection)
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                return exc
+            if event is h11.NEED_DATA:
+                data = self._recv_now()
+                if data is None:
+                    return "wait"
+                conn.receive_data(data)
+                continue
+            if type(event) is h11.Request:
+                return event
+            return "closed"  # ConnectionClosed
+
+    async def _next_request(self) -> h11.Request | PlainRequest | None:
+        if self.state.draining or self.evicted:
+            return None
+        # What the client sent after the previous request, and what is waiting in the socket.
+        # A request already here (a busy client's next one usually is) needs no keep-alive
+        # scope, and runs at once.
+        data, closed = self.conn.trailing_data
+        if not closed and HEAD_END not in data:
+            more = self._recv_now()
+            if more is not None:
+                data += more
+                closed = not more
+        untouched = not data and not closed
+        if not untouched:
+            plain = self._take(data, closed)
+            ready = plain if plain is not None else self._h11_request()
+            if isinstance(ready, h11.RemoteProtocolError):
+                await self._send_error(ready.error_status_hint, head_only=False)
+                await self._linger()
+                return None
+            if ready == "closed":
+                return None
+            if ready != "wait":
+                await self._pass_now_and_then()
+                return ready
         # The keep-alive bound covers the whole wait for a complete request head, which also
         # bounds a client trickling a head byte by byte.
-        conn = self.conn
+        wait_first = True
         with trio.move_on_after(self.limits.keep_alive_s) as scope:
             self.state.idle_scopes.add(scope)
             self.listener.waiting[self] = scope
@@ -116,6 +259,13 @@ class H11Connection:
                 if self.state.draining or self.evicted:
                     return None
                 while True:
+                    if untouched:  # the first bytes of the request: plain, or h11's
+                        data = await self.receive_bytes(wait_first)
+                        wait_first = untouched = False
+                        if (plain := self._take(data, not data)) is not None:
+                            return plain
+                        continue
+                    conn = self.conn
                     try:
                         event = conn.next_event()
                     except h11.RemoteProtocolError as exc:
@@ -123,7 +273,8 @@ class H11Connection:
                         await self._linger()
                         return None
                     if event is h11.NEED_DATA:
-                        conn.receive_data(await self.receive_bytes())
+                        conn.receive_data(await self.receive_bytes(wait_first))
+                        wait_first = False
                         continue
                     if type(event) is h11.Request:
                         return event
@@ -133,7 +284,7 @@ class H11Connection:
                 self.listener.waiting.pop(self, None)
         return None
 
-    async def _cycle(self, request: h11.Request) -> str:
+    async def _cycle(self, request: h11.Request | PlainRequest) -> str:
         """Run the app for one request; "keep", "close" or "linger" (close after draining input)."""
         headers = list(request.headers)
         if head_size(request.method, request.target, headers) > self.limits.max_header_bytes:
@@ -162,7 +313,7 @@ class H11Connection:
             "client": self.client,
             "server": self.server,
         }
-        cycle = RequestCycle(self, request.method == b"HEAD")
+        cycle = RequestCycle(self, request, headers)
         try:
             try:
                 await self.app(scope, cycle.receive, cycle.send)
@@ -189,10 +340,9 @@ class H11Connection:
             )
             return await self._after_failed_cycle(cycle, 500)
 
-        conn = self.conn
-        if conn.our_state is not h11.DONE or self.state.draining:
+        if not cycle.keeps_alive or self.state.draining:
             return "close"
-        if conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
+        if self.conn.their_state is not h11.DONE and not self._finish_body_from_buffer():
             return "linger"
         return "keep"
 
@@ -235,7 +385,7 @@ class H11Connection:
         except h11.LocalProtocolError:
             return
         try:
-            await self.stream.send_all(out)
+            await self.send_all(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
@@ -283,7 +433,7 @@ async def _accept_loop(
                 entry.note_refusal(f"accept() {name}", trio.current_time())
                 await trio.sleep(_ACCEPT_RETRY_S)
                 break
-            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))  # non-blocking now
             # The connection cap (DEFAULT_MAX_CONNECTIONS): make room by evicting the connection
             # that has waited longest on its client; if every one is busy in the app, refuse.
             at_cap = entry.open >= limits.max_connections
@@ -295,7 +445,7 @@ async def _accept_loop(
                 admit = entry.evict_oldest_waiting()
             if admit:
                 entry.open += 1
-                connections.start_soon(H11Connection(stream, app, limits, state, entry).run)
+                connections.start_soon(H11Connection(stream, accepted, app, limits, state, entry).run)
             else:
                 entry.note_refusal("over the connection cap", trio.current_time())
                 connections.start_soon(_refuse_busy, stream)
