@@ -17,6 +17,8 @@ concurrency 1, 16 and 64 (keep-alive connections, about 1000 requests per phase 
 request count and a time cap (PHASE_CAP_S); a phase that hits the cap is flagged.
 Percentiles pool every round's samples; throughput and the front's CPU per request (utime +
 stime of the front process from /proc around the phase) are medians of the rounds.
+The load generator's own CPU per request (its thread's CPU time over the gateway phase) is
+printed too: it shares the front's core, so what it spends caps the front's throughput.
 
 ``--replicas N`` runs N front processes sharing one port (SO_REUSEPORT, as
 ``listen.http_reuse_port``), pinned one per CPU in turn; CPU per request sums them.
@@ -291,17 +293,21 @@ def main() -> None:
           f"{args.rounds} rounds, scale {args.scale}; python {sys.version.split()[0]}"
           + (f"; CAPPED: {', '.join(capped)}" if capped else ""))
     print("| mode | concurrency | direct req/s | gateway req/s | gateway/direct | added p50 ms "
-          "| gateway p50 ms | gateway p99 ms | p99/p50 | front CPU ms/req |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| gateway p50 ms | gateway p99 ms | p99/p50 | front CPU ms/req | load generator CPU ms/req |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for phase in plan:
         key = phase.key
         d50, g50 = pct(pooled("direct", key, "total_s"), 0.5), pct(pooled("gateway", key, "total_s"), 0.5)
         g99 = pct(pooled("gateway", key, "total_s"), 0.99)
         d_rate, g_rate = rate("direct", key), rate("gateway", key)
         mode = "streamed" if key.startswith("stream") else "non-streamed"
+        # The load generator shares the front's CPU: what it spends is not the front's to use.
+        load_ms = statistics.median(1000.0 * r.client_cpu_s / max(1, len(r.total_s))
+                                    for r in results["gateway"][key])
         print(f"| {mode} | {phase.concurrency} | {d_rate:.0f} | {g_rate:.0f} | {g_rate / d_rate:.2f} "
               f"| {g50 - d50:+.3f} | {g50:.3f} | {g99:.3f} | {g99 / g50:.1f} "
-              f"| {statistics.median(front_cpu[key]):.3f} |")
+              f"| {statistics.median(front_cpu[key]):.3f} "
+              f"| {load_ms:.3f} |")
     first_d = pct(pooled("direct", "stream_c1", "first_s"), 0.5)
     first_g = pct(pooled("gateway", "stream_c1", "first_s"), 0.5)
     print(f"# streamed, concurrency 1: first chunk p50 direct {first_d:.3f} ms, gateway {first_g:.3f} ms")

@@ -23,8 +23,8 @@ NO_SITE = "none"
 
 @runtime_checkable
 class CountsPool(Protocol):
-    """An upstream transport that counts its pool (upstream_transport.UpstreamTransport and
-    SwappableTransport): connections opened and requests sent, for grid_gateway_upstream_*."""
+    """An upstream client that counts its pool (upstream_client.UpstreamClient and
+    SwappableUpstream): connections opened and requests sent, for grid_gateway_upstream_*."""
 
     def pool_counts(self) -> tuple[int, int]: ...
 
@@ -63,8 +63,8 @@ class FrontMetrics:
         self.upstream_latency: dict[str, LatencyHistogram] = {}
         self.first_byte: dict[str, LatencyHistogram] = {}
         self.pools: dict[str, CountsPool] = {}
-        """Upstream transports by ``upstream`` label (provider, ingress) whose pool_counts()
-        give connections opened and requests sent (upstream_transport.UpstreamTransport)."""
+        """Upstream clients by ``upstream`` label (provider, ingress) whose pool_counts()
+        give connections opened and requests sent (upstream_client.UpstreamClient)."""
 
     def request(self, model: str, site: str, outcome: str) -> None:
         key = (model, site, outcome)
