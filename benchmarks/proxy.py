@@ -23,8 +23,9 @@ printed too: it shares the front's core, so what it spends caps the front's thro
 ``--replicas N`` runs N front processes sharing one port (SO_REUSEPORT, as
 ``listen.http_reuse_port``), pinned one per CPU in turn; CPU per request sums them.
 
-``--src DIR`` imports gridd from another checkout in the children (e.g. an export of an older
-commit), so an old and a new front are measured by the same script.
+``--src DIR`` imports gridd from another checkout in the front's children (e.g. an export of
+an older commit), so an old and a new front are measured by the same script against the same
+simulator (always this checkout's: the backend is the fixture).
 
 Last two lines: rps_c64=<gateway req/s, non-streamed, concurrency 64> and
 added_p50_ms=<gateway p50 - direct p50, non-streamed, concurrency 1, milliseconds>.
@@ -55,6 +56,7 @@ from rawhttp import (  # benchmarks/ is sys.path[0] when run as a script
 # import it from --src, which it can only do if no gridd module was loaded before.
 
 CHILD_START_CAP_S = 20.0
+HERE_SRC = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 MODEL = "sim-model"
 CHAT = b'{"model":"sim-model","messages":[{"role":"user","content":"Say something short."}]}'
 CHAT_STREAM = (b'{"model":"sim-model","stream":true,'
@@ -227,7 +229,7 @@ def main() -> None:
     parser.add_argument("--cpu", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
-    parser.add_argument("--src", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+    parser.add_argument("--src", default=HERE_SRC,
                         help="the checkout the children import gridd from (default: this one)")
     args = parser.parse_args()
     args.src = os.path.abspath(args.src)
@@ -245,7 +247,9 @@ def main() -> None:
     paths = ("direct", "gateway")
     results: dict[str, dict[str, list[PhaseResult]]] = {p: {ph.key: [] for ph in plan} for p in paths}
     front_cpu: dict[str, list[float]] = {ph.key: [] for ph in plan}  # front CPU ms per request
-    sim, sim_url = start_child("sim", sim_cpu, args.src)
+    # The simulator is the fixture, not the subject: always this checkout's, so an old front
+    # (--src) is measured against the same backend as the current one.
+    sim, sim_url = start_child("sim", sim_cpu, HERE_SRC)
     try:
         replicas = []
         front, front_url = start_child("front", load_cpu, args.src, upstreams=(sim_url,),
