@@ -53,6 +53,8 @@ cost a few C-level string calls.
     name{a="x",b="y"} value, no blanks inside the braces, no timestamp. With no
     backslash every '"' opens or closes a value, so split('"') yields the label-name
     layout and the values; the layout selects a compiled dict builder (_builder).
+  * With a SeriesCache (one per provider), a line whose text before its value was a kept
+    canonical line of the target's previous scrape costs a slice, a lookup and float().
 Any other line goes to `_parse_line`, the authority: the fast paths only accept a line
 when `_parse_line` would return the same sample (tests/test_exposition.py checks this).
 """
@@ -62,7 +64,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Container, Iterable
 
-__all__ = ["BucketRun", "Exposition", "parse_exposition"]
+__all__ = ["BucketRun", "Exposition", "SeriesCache", "parse_exposition"]
 
 
 Labels = dict[str, str]
@@ -93,6 +95,25 @@ class BucketRun:
 
 
 Entry = tuple[Labels, float] | BucketRun
+# A cached series: its name, its labels (shared by every sample parsed from it: read-only)
+# and the length of its line up to the opening quote of its last label value (a run's start).
+CachedSeries = tuple[str, Labels, int]
+
+
+class SeriesCache:
+    """A target's kept series from its latest scrape (as Prometheus' scrape loop keeps them):
+    a canonical kept line's text before its value -> its name and labels. Passed to every
+    parse of the target (same ``wanted``), it spares a repeated line the split and the
+    labels dict; its samples share the cached dict, so readers must not mutate labels.
+    Bounded: a parse keeps only the series it saw, at most ``limit`` of them."""
+
+    __slots__ = ("limit", "wanted", "series")
+
+    def __init__(self, limit: int = 512) -> None:
+        self.limit = limit
+        # The `wanted` the series were kept under (what a kept name means).
+        self.wanted: object = None
+        self.series: dict[str, CachedSeries] = {}
 
 
 class Exposition:
@@ -325,7 +346,9 @@ def _kept_names(wanted: frozenset[object] | set[object]) -> frozenset[str]:
     return found
 
 
-def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) -> Exposition:
+def parse_exposition(
+    body: bytes | str, wanted: Container[str] | None = None, cache: SeriesCache | None = None
+) -> Exposition:
     out = Exposition()
     samples = out._entries
 
@@ -407,6 +430,16 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
     run_first: Entry | None = None
     run_bucket: BucketRun | None = None
 
+    # The series cache (SeriesCache): `cached` holds the previous parse's series, `seen` the
+    # ones this parse finds (hits and new canonical lines), which replace them at the end.
+    cached: dict[str, CachedSeries] = {}
+    seen: dict[str, CachedSeries] = {}
+    seen_max = 0
+    if cache is not None:
+        if cache.wanted is not wanted:
+            cache.wanted, cache.series = wanted, {}
+        cached, seen_max = cache.series, cache.limit
+
     for line in lines:
         if line[:run_len] == run:
             if run_skip:
@@ -451,6 +484,40 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
                     continue
             # Not the run's shape after all: the general path decides.
 
+        if cached:
+            # A series of the scrape before: line = series " " token, the token without
+            # a blank. The series was a canonical line's text up to '"} ', and the line
+            # is canonical again when its token is a plain float (the checks below are
+            # the general path's): the same name and labels, whatever the value.
+            cut = line.rfind(" ")
+            series_text = line[:cut]
+            hit = cached.get(series_text)
+            if hit is not None:
+                token = line[cut + 1 :]
+                if "_" not in token and (not check_ascii or token.isascii()):
+                    try:
+                        value = float(token)
+                    except ValueError:
+                        pass
+                    else:
+                        name, labels, run_len = hit
+                        # A kept name (classify would return this list).
+                        kept = samples.get(name)
+                        if kept is None:
+                            kept = samples[name] = []
+                        run_first = (labels, value)
+                        kept.append(run_first)
+                        if len(seen) < seen_max:
+                            seen[series_text] = hit
+                        run = line[:run_len]
+                        run_skip = False
+                        run_name = name
+                        run_dest = kept
+                        run_labels = labels
+                        run_label = None
+                        run_bucket = None
+                        continue
+
         name, brace, rest = line.partition("{")
         if brace:
             dest = route.get(name)
@@ -489,6 +556,9 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
             dest.append(run_first)
             # line = name "{" head '"} ' token, and head ends with the last value.
             run_len = len(name) + 1 + len(head) - len(pieces[-1])
+            if " " not in token and len(seen) < seen_max:
+                # The line's series text: everything before its last blank (SeriesCache).
+                seen[line[: len(line) - len(token) - 1]] = (name, labels, run_len)
             run = line[:run_len]
             run_skip = False
             run_name = name
@@ -520,6 +590,8 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
         dest.append(({}, value))
 
     out.malformed_lines = malformed
+    if cache is not None:
+        cache.series = seen
     # A kept name whose every line was malformed got a list but no sample.
     for name in [name for name, series in samples.items() if not series]:
         del samples[name]

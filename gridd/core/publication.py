@@ -17,7 +17,7 @@ import msgspec
 
 from gridd.core.batch import Batch
 from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
-from gridd.core.exposition import parse_exposition
+from gridd.core.exposition import SeriesCache, parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.payload import validate_payload
 from gridd.core.readiness import ReadinessTracker, Verdict, probe_only_verdict
@@ -93,6 +93,8 @@ class ProviderPublisher:
                                           engine_answer_window_s=engine_answer_window_s)
         self.latency = self._latency_window(latency_window_s, latency_min_completed)
         self.summary = ScrapeSummary()
+        # This provider's series from its latest scrape: a line that repeats is not parsed again.
+        self._series = SeriesCache()
         self.last_load: LoadSignals | None = None
         self.last_latency: LatencyBlock | None = None
         self.last_verdict: Verdict | None = None
@@ -155,7 +157,7 @@ class ProviderPublisher:
             # parsing such a body would hold the event loop for a noticeable time.
             failure_class, failure_detail = "parse", f"more than {MAX_EXPOSITION_LINES} lines"
         if failure_class is None and body is not None:
-            expo = parse_exposition(body, WANTED_SAMPLES)
+            expo = parse_exposition(body, WANTED_SAMPLES, self._series)
             summary.malformed_lines += expo.malformed_lines
             mismatch = kind_mismatch(expo, self.kind)
             if expo.malformed_lines and not expo.samples:
