@@ -34,6 +34,7 @@ from gridd.core.latency import (
     _buckets,
     histogram_quantile,
 )
+from gridd.core.publication import MAX_EXPOSITION_LINES, _over_max_lines
 from gridd.core.readings import LatencyBlock
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -381,6 +382,16 @@ def test_series_cache_is_bounded_and_keeps_only_the_latest_scrape() -> None:
     assert labels is cache.series[rows[4].rpartition(" ")[0]][1]
     parse_exposition(b"other 1", None, cache)
     assert list(cache.series) == [] and cache.wanted is None
+
+
+MAX = MAX_EXPOSITION_LINES
+
+
+@pytest.mark.parametrize("body", [b"", b"\n" * MAX, b"\n" * (MAX + 1), b"a\n" * MAX,
+                                  b"a\n" * (MAX + 1) + b"x",
+                                  b"x" * (2 * MAX), b"\r\n" * (MAX + 1)])
+def test_the_line_count_guard_counts_newlines_as_bytes_count_does(body: bytes) -> None:
+    assert _over_max_lines(body) == (body.count(b"\n") > MAX_EXPOSITION_LINES)
 
 
 SAMPLES_DIR = pathlib.Path(__file__).parent / "data" / "samples"

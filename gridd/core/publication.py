@@ -29,6 +29,14 @@ metrics is about 5 500 lines (labelled lines run to ~200 bytes); 50 000 one-lett
 lines cost the parser ~40 ms on the event loop, the most a scrape may take there."""
 
 
+def _over_max_lines(body: bytes) -> bool:
+    """body.count(b"\n") > MAX_EXPOSITION_LINES, at memchr speed: bytes.replace finds a single
+    byte with memchr where bytes.count tests byte by byte (4x the CPU on a 75 KB EPP body)."""
+    if len(body) <= MAX_EXPOSITION_LINES:
+        return False  # too short to hold that many
+    return len(body) - len(body.replace(b"\n", b"")) > MAX_EXPOSITION_LINES
+
+
 class ScrapeSummary:
     """What gridctl and the exporter show about a provider's scraping."""
 
@@ -152,7 +160,7 @@ class ProviderPublisher:
         self.invalid_fields_changed = False
         load: LoadSignals | None = None
         latency: LatencyBlock | None = None
-        if failure_class is None and body is not None and body.count(b"\n") > MAX_EXPOSITION_LINES:
+        if failure_class is None and body is not None and _over_max_lines(body):
             # No real exposition has this many lines in 1 MiB (its lines run to tens of bytes);
             # parsing such a body would hold the event loop for a noticeable time.
             failure_class, failure_detail = "parse", f"more than {MAX_EXPOSITION_LINES} lines"
