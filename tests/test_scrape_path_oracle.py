@@ -365,6 +365,46 @@ def test_repeated_series_with_new_values_take_the_reference_path(body: str, rng:
     check_path([body, revalued(body, rng), body, revalued(body, rng), revalued(body, rng)], kind)
 
 
+def relabelled(body: str, rng: random.Random) -> str:
+    """The body with a label value, a name or a line's start changed here and there: the
+    same number of lines, not all of them the series of the scrape before."""
+    lines = body.split("\n")
+    for _ in range(rng.randrange(1, 3)):
+        i = rng.randrange(len(lines))
+        edit = rng.randrange(4)
+        if edit == 0:
+            lines[i] = lines[i].replace('="', '="z', 1)
+        elif edit == 1:
+            lines[i] = lines[i].replace("{", "_x{", 1)
+        elif edit == 2:
+            lines[i] = " " + lines[i]
+        else:
+            lines[i] = lines[i].replace('"} ', '",le="9"} ', 1)
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("filename", ["epp-healthy.prom", "vllm-direct.prom"])
+def test_a_repeated_body_shape_takes_the_reference_path(filename: str) -> None:
+    """A real body scraped again with new values takes the repeated-shape path (its lines'
+    prefixes unchanged: gridd.core.exposition_result._Shape); edited ones must leave it."""
+    text = (SAMPLES_DIR / filename).read_text()
+    cache = SeriesCache()
+    for _ in range(2):
+        parse_exposition(text.encode(), WANTED_SAMPLES, cache)
+    assert cache.shape is not None
+    rng = random.Random(filename)
+    for _ in range(40):
+        variant = relabelled(text, rng) if rng.randrange(2) else revalued(text, rng)
+        for body in (text, text, variant):
+            expected, malformed = reference_parse(body, WANTED_SAMPLES)
+            shaped = cache.shape is not None
+            got = parse_exposition(body.encode(), WANTED_SAMPLES, cache)
+            assert (comparable(got.samples), got.malformed_lines) == (comparable(expected), malformed)
+        assert shaped  # the variant met the shape of `text`
+    for kind in ("auto", "epp", "vllm"):
+        check_path([text, revalued(text, rng), relabelled(text, rng), text, revalued(text, rng)], kind)
+
+
 def test_series_cache_is_bounded_and_keeps_only_the_latest_scrape() -> None:
     cache = SeriesCache(limit=3)
     # Two labels, the first one differing: no line continues a run, each is a series parsed whole.
