@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
+from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
 from gridd.core.exposition import Exposition, SeriesCache, _parse_line, parse_exposition
 from gridd.core.latency import (
     _EPP_ERRORS,
@@ -229,6 +229,11 @@ def check_path(bodies: list[str], kind: str, pool: str | None = None) -> None:
         plain = plain_exposition(expected, malformed)
         assert kind_mismatch(expo, kind) == kind_mismatch(plain, kind)
         assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind),
+                    derive(plain, pool=pool, queue_full_at=2, kind=kind))
+        # As on_scrape calls them: the pools read once, for both.
+        pools = pool_names(expo)
+        assert kind_mismatch(expo, kind, pools=pools) == kind_mismatch(plain, kind)
+        assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind, pools=pools),
                     derive(plain, pool=pool, queue_full_at=2, kind=kind))
         for family, streaming_only, models in ((_EPP_TTFT_BUCKET, True, frozenset({MODEL})),
                                                (_VLLM_TTFT_BUCKET, False, None)):

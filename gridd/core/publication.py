@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from gridd.core.batch import Batch
-from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
+from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
 from gridd.core.exposition import SeriesCache, parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.payload import validate_payload
@@ -167,7 +167,8 @@ class ProviderPublisher:
         if failure_class is None and body is not None:
             expo = parse_exposition(body, WANTED_SAMPLES, self._series)
             summary.malformed_lines += expo.malformed_lines
-            mismatch = kind_mismatch(expo, self.kind)
+            pools = pool_names(expo)  # read once, for both
+            mismatch = kind_mismatch(expo, self.kind, pools=pools)
             if expo.malformed_lines and not expo.samples:
                 # Nothing usable came out of a body that did not parse: a failed scrape.
                 failure_class, failure_detail = "parse", f"{expo.malformed_lines} malformed lines, no samples"
@@ -176,7 +177,8 @@ class ProviderPublisher:
                 # misconfiguration (or the wrong URL), not a reading of this provider.
                 failure_class, failure_detail = "wrong_kind", mismatch
             else:
-                derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind)
+                derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind,
+                                 pools=pools)
                 load = derived.load
                 self._note_invalid_fields(derived.invalid)
                 latency = self.latency.observe(now, expo)
