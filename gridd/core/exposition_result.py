@@ -110,6 +110,15 @@ class Exposition:
 Placement = tuple[Labels, int, int, list[str] | None]
 
 
+# slice(n, None) for n below _SHARED_CUTS, shared by every target's shape (memory).
+_SHARED_CUTS = 1024
+_CUTS = [slice(n, None) for n in range(_SHARED_CUTS)]
+
+
+def _cut(n: int) -> slice:
+    return _CUTS[n] if n < _SHARED_CUTS else slice(n, None)
+
+
 class _Shape:
     """A parse whose every line went through a fast path into one sample, with each line's text
     up to its value and the blank before it (``prefixes``) and where each value went. A body
@@ -120,7 +129,7 @@ class _Shape:
 
     def __init__(self, prefixes: list[str], names: list[tuple[str, list[Placement]]]) -> None:
         self.prefixes = prefixes
-        self.cuts = [slice(len(prefix), None) for prefix in prefixes]
+        self.cuts = [_cut(len(prefix)) for prefix in prefixes]
         # Per name: its placements, or, when they are samples of adjacent lines (most names),
         # their labels and the slice of lines, zipped in C.
         self.names: list[tuple[str, list[Labels] | None, slice, list[Placement]]] = []
