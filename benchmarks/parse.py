@@ -438,20 +438,30 @@ def per_body_us(filename: str, kind: str, model: str) -> float:
         cache: tuple[object, ...] = ()
     else:
         cache = (SeriesCache(),)
+
+    def step(body: bytes, now: float) -> None:
+        # gridd.core.publication.ProviderPublisher.on_scrape, its per-body part.
+        expo = parse_exposition(body, WANTED, *cache)
+        if kind_mismatch(expo, kind) is None and not (expo.malformed_lines and not expo.samples):
+            load = derive(expo, kind=kind).load
+            window.observe(now, expo)
+            readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
+                                engine_answered=window.answered_on_last_observe)
+        readiness.verdict(now, stale_after_s=10.0, unavailable=False)
+
+    return cpu_us_per_body(bodies, step)
+
+
+def cpu_us_per_body(bodies: list[bytes], step: Callable[[bytes, float], None]) -> float:
+    """CPU microseconds per ``step(body, now)`` over the bodies in turn (one a second), median
+    of the batches after a warm-up batch."""
     now = 0.0
     batches = []
     for batch in range(PER_BODY_BATCHES + 1):
         start = time.process_time()
         for i in range(PER_BODY_BATCH):
             now += 1.0
-            # gridd.core.publication.ProviderPublisher.on_scrape, its per-body part.
-            expo = parse_exposition(bodies[i % PER_BODY_SCRAPES], WANTED, *cache)
-            if kind_mismatch(expo, kind) is None and not (expo.malformed_lines and not expo.samples):
-                load = derive(expo, kind=kind).load
-                window.observe(now, expo)
-                readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
-                                    engine_answered=window.answered_on_last_observe)
-            readiness.verdict(now, stale_after_s=10.0, unavailable=False)
+            step(bodies[i % PER_BODY_SCRAPES], now)
         if batch:  # the first batch warms up
             batches.append((time.process_time() - start) / PER_BODY_BATCH * 1e6)
     return statistics.median(batches)
@@ -466,17 +476,12 @@ def on_scrape_us(filename: str, kind: str, model: str) -> float:
     sequence = iter(range(1, 1 << 40)).__next__
     publisher = ProviderPublisher(site="s", provider="p", model=model, provider_uid="u", generation=1,
                                   publisher_epoch=1, created_at=0.0, next_sequence=sequence, kind=kind)
-    now = 0.0
-    batches = []
-    for batch in range(PER_BODY_BATCHES + 1):
-        start = time.process_time()
-        for i in range(PER_BODY_BATCH):
-            now += 1.0
-            publisher.on_scrape(now=now, wall_now=now, body=bodies[i % PER_BODY_SCRAPES], failure_class=None,
-                                stale_after_s=10.0, unavailable=False)
-        if batch:  # the first batch warms up
-            batches.append((time.process_time() - start) / PER_BODY_BATCH * 1e6)
-    return statistics.median(batches)
+
+    def step(body: bytes, now: float) -> None:
+        publisher.on_scrape(now=now, wall_now=now, body=body, failure_class=None, stale_after_s=10.0,
+                            unavailable=False)
+
+    return cpu_us_per_body(bodies, step)
 
 
 def per_body(src: str | None, rounds: int) -> None:
