@@ -419,6 +419,8 @@ def per_body_worker() -> None:
         raise SystemExit(f"gridd imported from {gridd.__file__}, not from {_TREE}")
     for filename, kind, model in PER_BODY:
         print(filename, f"{per_body_us(filename, kind, model):.1f}")
+    for filename, kind, model in PER_BODY:
+        print(f"{filename}:on_scrape", f"{on_scrape_us(filename, kind, model):.1f}")
 
 
 def per_body_us(filename: str, kind: str, model: str) -> float:
@@ -430,23 +432,56 @@ def per_body_us(filename: str, kind: str, model: str) -> float:
     bodies = moving_bodies((SAMPLES / filename).read_bytes(), PER_BODY_SCRAPES)
     window = LatencyWindow(kind=kind, models=frozenset({model}))
     readiness = ReadinessTracker(created_at=0.0)
+    try:  # the provider's series cache, where the tree has one (the operator keeps one per provider)
+        from gridd.core.exposition import SeriesCache
+    except ImportError:
+        cache: tuple[object, ...] = ()
+    else:
+        cache = (SeriesCache(),)
+
+    def step(body: bytes, now: float) -> None:
+        # gridd.core.publication.ProviderPublisher.on_scrape, its per-body part.
+        expo = parse_exposition(body, WANTED, *cache)
+        if kind_mismatch(expo, kind) is None and not (expo.malformed_lines and not expo.samples):
+            load = derive(expo, kind=kind).load
+            window.observe(now, expo)
+            readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
+                                engine_answered=window.answered_on_last_observe)
+        readiness.verdict(now, stale_after_s=10.0, unavailable=False)
+
+    return cpu_us_per_body(bodies, step)
+
+
+def cpu_us_per_body(bodies: list[bytes], step: Callable[[bytes, float], None]) -> float:
+    """CPU microseconds per ``step(body, now)`` over the bodies in turn (one a second), median
+    of the batches after a warm-up batch."""
     now = 0.0
     batches = []
     for batch in range(PER_BODY_BATCHES + 1):
         start = time.process_time()
         for i in range(PER_BODY_BATCH):
             now += 1.0
-            # gridd.core.publication.ProviderPublisher.on_scrape, its per-body part.
-            expo = parse_exposition(bodies[i % PER_BODY_SCRAPES], WANTED)
-            if kind_mismatch(expo, kind) is None and not (expo.malformed_lines and not expo.samples):
-                load = derive(expo, kind=kind).load
-                window.observe(now, expo)
-                readiness.on_scrape(now, ready_endpoints=load.ready_endpoints,
-                                    engine_answered=window.answered_on_last_observe)
-            readiness.verdict(now, stale_after_s=10.0, unavailable=False)
+            step(bodies[i % PER_BODY_SCRAPES], now)
         if batch:  # the first batch warms up
             batches.append((time.process_time() - start) / PER_BODY_BATCH * 1e6)
     return statistics.median(batches)
+
+
+def on_scrape_us(filename: str, kind: str, model: str) -> float:
+    """CPU microseconds per body of ProviderPublisher.on_scrape (the rows above plus its own
+    work: the line-count guard, the batch, its validation), median of the batches."""
+    from gridd.core.publication import ProviderPublisher
+
+    bodies = moving_bodies((SAMPLES / filename).read_bytes(), PER_BODY_SCRAPES)
+    sequence = iter(range(1, 1 << 40)).__next__
+    publisher = ProviderPublisher(site="s", provider="p", model=model, provider_uid="u", generation=1,
+                                  publisher_epoch=1, created_at=0.0, next_sequence=sequence, kind=kind)
+
+    def step(body: bytes, now: float) -> None:
+        publisher.on_scrape(now=now, wall_now=now, body=body, failure_class=None, stale_after_s=10.0,
+                            unavailable=False)
+
+    return cpu_us_per_body(bodies, step)
 
 
 def per_body(src: str | None, rounds: int) -> None:
@@ -463,15 +498,20 @@ def per_body(src: str | None, rounds: int) -> None:
                 name, us = line.split()
                 results[tree].setdefault(name, []).append(float(us))
     print(f"per-body path CPU us per body, median of {rounds} rounds "
-          f"(parse + kind_mismatch + derive + latency window + readiness):")
+          f"(parse + kind_mismatch + derive + latency window + readiness; "
+          f"<sample>:on_scrape = ProviderPublisher.on_scrape, the same plus its own work):")
     for tree, by_sample in results.items():
         for name, values in by_sample.items():
-            print(f"  {tree:<24}{name:<20}{statistics.median(values):>9.1f}   "
+            print(f"  {tree:<24}{name:<30}{statistics.median(values):>9.1f}   "
                   f"[{min(values):.1f}..{max(values):.1f}]")
     if src:
         ratio = statistics.median(results[src]["epp-healthy.prom"]) / statistics.median(
             results["this tree"]["epp-healthy.prom"])
         print(f"per_body_ratio={ratio:.2f}")
+        before, after = (statistics.median(results[tree]["epp-healthy.prom:on_scrape"])
+                         for tree in (src, "this tree"))
+        saved = before - after
+        print(f"on_scrape_us_saved={saved:.1f}")
 
 
 if __name__ == "__main__":

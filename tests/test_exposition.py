@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from gridd.core import exposition
+from gridd.core import exposition, exposition_scan
 from gridd.core.exposition import Exposition, _parse_line, parse_exposition
 
 NAN = "NaN"  # stands for any NaN when comparing values
@@ -733,7 +733,7 @@ def test_scan_alternation_matches_exactly_the_names() -> None:
     import re
 
     names = sorted({"a", "ab", "abc", "b", "bcd", "bce", "a:b", "a_", "x.y"})
-    alternation = re.compile(f"(?:{exposition._name_alternation(names)})")
+    alternation = re.compile(f"(?:{exposition_scan._name_alternation(names)})")
     for name in names:
         assert alternation.fullmatch(name)
         for near in (name + "q", name[:-1], name[1:]):

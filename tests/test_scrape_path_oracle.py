@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch
-from gridd.core.exposition import Exposition, _parse_line, parse_exposition
+from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
+from gridd.core.exposition import Exposition, SeriesCache, _parse_line, parse_exposition
 from gridd.core.latency import (
     _EPP_ERRORS,
     _EPP_SUCCESS,
@@ -34,6 +34,7 @@ from gridd.core.latency import (
     _buckets,
     histogram_quantile,
 )
+from gridd.core.publication import MAX_EXPOSITION_LINES, _over_max_lines
 from gridd.core.readings import LatencyBlock
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -206,21 +207,33 @@ def same(a: object, b: object) -> bool:
 
 
 def check_path(bodies: list[str], kind: str, pool: str | None = None) -> None:
-    """Parse, derive and observe each body through gridd and through the reference."""
+    """Parse, derive and observe each body through gridd and through the reference.
+
+    The consumers read the parse the operator makes: with the provider's SeriesCache, kept
+    from body to body (its series shared between the parses), after a parse without it."""
     window = LatencyWindow(window_s=5.0, min_completed=1, kind=kind, models=frozenset({MODEL}))
     reference = ReferenceWindow(kind, frozenset({MODEL}))
+    cache = SeriesCache()
     for now, body in enumerate(bodies):
         expected, malformed = reference_parse(body, WANTED_SAMPLES)
         # Reading `samples` writes the bucket runs out as samples; the consumers read a parse
         # whose runs are still runs, as on the operator's path.
         written = parse_exposition(body.encode(), WANTED_SAMPLES)
         assert (comparable(written.samples), written.malformed_lines) == (comparable(expected), malformed)
-        by_name = parse_exposition(body.encode(), WANTED_SAMPLES)
+        by_name = parse_exposition(body.encode(), WANTED_SAMPLES, cache)
         assert comparable({name: by_name.series(name) for name in expected}) == comparable(expected)
-        expo = parse_exposition(body.encode(), WANTED_SAMPLES)
+        assert list(by_name.names()) == list(written.names())
+        assert len(cache.series) <= cache.limit
+        expo = parse_exposition(body.encode(), WANTED_SAMPLES, cache)
+        assert expo.malformed_lines == malformed
         plain = plain_exposition(expected, malformed)
         assert kind_mismatch(expo, kind) == kind_mismatch(plain, kind)
         assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind),
+                    derive(plain, pool=pool, queue_full_at=2, kind=kind))
+        # As on_scrape calls them: the pools read once, for both.
+        pools = pool_names(expo)
+        assert kind_mismatch(expo, kind, pools=pools) == kind_mismatch(plain, kind)
+        assert same(derive(expo, pool=pool, queue_full_at=2, kind=kind, pools=pools),
                     derive(plain, pool=pool, queue_full_at=2, kind=kind))
         for family, streaming_only, models in ((_EPP_TTFT_BUCKET, True, frozenset({MODEL})),
                                                (_VLLM_TTFT_BUCKET, False, None)):
@@ -329,6 +342,101 @@ def bodies(draw) -> str:
        st.sampled_from([None, "p"]))
 def test_generated_bodies_take_the_reference_path(bodies: list[str], kind: str, pool: str | None) -> None:
     check_path(bodies, kind, pool)
+
+
+def revalued(body: str, rng: random.Random) -> str:
+    """The body scraped again: its lines' values replaced (by good and bad tokens), some
+    given a timestamp, a blank or a cut, so a cached series meets every kind of token."""
+    lines = []
+    for line in body.split("\n"):
+        head, blank, _ = line.rpartition(" ")
+        edit = rng.randrange(8)
+        if blank and edit < 5:
+            line = f"{head} {rng.choice(VALUES)}"
+        elif edit == 5:
+            line += rng.choice([" 1700000000000", " ", "\t", "_", " 1 2"])
+        elif edit == 6:
+            line = line[: rng.randrange(len(line) + 1)]
+        lines.append(line)
+    return "\n".join(lines)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bodies(), st.randoms(use_true_random=False), st.sampled_from(["auto", "epp", "vllm"]))
+def test_repeated_series_with_new_values_take_the_reference_path(body: str, rng: random.Random,
+                                                                 kind: str) -> None:
+    """One body scraped again and again with its values changed: the provider's SeriesCache
+    serves the repeated series; every parse still equals the reference's."""
+    check_path([body, revalued(body, rng), body, revalued(body, rng), revalued(body, rng)], kind)
+
+
+def relabelled(body: str, rng: random.Random) -> str:
+    """The body with a label value, a name or a line's start changed here and there: the
+    same number of lines, not all of them the series of the scrape before."""
+    lines = body.split("\n")
+    for _ in range(rng.randrange(1, 3)):
+        i = rng.randrange(len(lines))
+        edit = rng.randrange(4)
+        if edit == 0:
+            lines[i] = lines[i].replace('="', '="z', 1)
+        elif edit == 1:
+            lines[i] = lines[i].replace("{", "_x{", 1)
+        elif edit == 2:
+            lines[i] = " " + lines[i]
+        else:
+            lines[i] = lines[i].replace('"} ', '",le="9"} ', 1)
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("filename", ["epp-healthy.prom", "vllm-direct.prom"])
+def test_a_repeated_body_shape_takes_the_reference_path(filename: str) -> None:
+    """A real body scraped again with new values takes the repeated-shape path (its lines'
+    prefixes unchanged: gridd.core.exposition_result._Shape); edited ones must leave it."""
+    text = (SAMPLES_DIR / filename).read_text()
+    cache = SeriesCache()
+    for _ in range(2):
+        parse_exposition(text.encode(), WANTED_SAMPLES, cache)
+    assert cache.shape is not None
+    rng = random.Random(filename)
+    for _ in range(40):
+        variant = relabelled(text, rng) if rng.randrange(2) else revalued(text, rng)
+        for body in (text, text, variant):
+            expected, malformed = reference_parse(body, WANTED_SAMPLES)
+            shaped = cache.shape is not None
+            got = parse_exposition(body.encode(), WANTED_SAMPLES, cache)
+            assert (comparable(got.samples), got.malformed_lines) == (comparable(expected), malformed)
+        assert shaped  # the variant met the shape of `text`
+    for kind in ("auto", "epp", "vllm"):
+        check_path([text, revalued(text, rng), relabelled(text, rng), text, revalued(text, rng)], kind)
+
+
+def test_series_cache_is_bounded_and_keeps_only_the_latest_scrape() -> None:
+    cache = SeriesCache(limit=3)
+    # Two labels, the first one differing: no line continues a run, each is a series parsed whole.
+    rows = [f'llm_d_epp_inflight_requests{{endpoint_name="e{i}",producer_name="p"}} {i}' for i in range(5)]
+    first = parse_exposition("\n".join(rows).encode(), WANTED_SAMPLES, cache)
+    assert len(first.series("llm_d_epp_inflight_requests")) == 5
+    # At most `limit` series, the first seen; a series not in the latest body is gone.
+    assert list(cache.series) == [row.rpartition(" ")[0] for row in rows[:3]]
+    parse_exposition(rows[4].encode(), WANTED_SAMPLES, cache)
+    assert list(cache.series) == [rows[4].rpartition(" ")[0]]
+    # A hit shares the cached labels; a parse with another `wanted` starts the cache over.
+    again = parse_exposition(rows[4].replace(" 4", " 9").encode(), WANTED_SAMPLES, cache)
+    [(labels, value)] = again.series("llm_d_epp_inflight_requests")
+    assert (labels, value) == ({"endpoint_name": "e4", "producer_name": "p"}, 9.0)
+    assert labels is cache.series[rows[4].rpartition(" ")[0]][1]
+    parse_exposition(b"other 1", None, cache)
+    assert list(cache.series) == [] and cache.wanted is None
+
+
+MAX = MAX_EXPOSITION_LINES
+
+
+@pytest.mark.parametrize("body", [b"", b"\n" * MAX, b"\n" * (MAX + 1), b"a\n" * MAX,
+                                  b"a\n" * (MAX + 1) + b"x",
+                                  b"x" * (2 * MAX), b"\r\n" * (MAX + 1)])
+def test_the_line_count_guard_counts_newlines_as_bytes_count_does(body: bytes) -> None:
+    assert _over_max_lines(body) == (body.count(b"\n") > MAX_EXPOSITION_LINES)
 
 
 SAMPLES_DIR = pathlib.Path(__file__).parent / "data" / "samples"

@@ -105,15 +105,16 @@ def pool_names(expo: Exposition) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def kind_mismatch(expo: Exposition, kind: str) -> str | None:
+def kind_mismatch(expo: Exposition, kind: str, *, pools: tuple[str, ...] | None = None) -> str | None:
     """Why a body is not of the configured metrics.kind, or None when it fits.
 
     "epp" needs the EPP's pool series and "vllm" the engine's vllm:* series; a body
     carrying only the other flavour's is refused. A body with neither (a standby EPP
     replica) fits any kind: it derives nothing, and readiness stays unknown. "auto"
-    accepts everything.
+    accepts everything. pools: pool_names(expo), when the caller has it already.
     """
-    has_epp, has_vllm = bool(pool_names(expo)), _has_vllm_series(expo)
+    has_epp = bool(pool_names(expo) if pools is None else pools)
+    has_vllm = _has_vllm_series(expo)
     if kind == "epp" and not has_epp and has_vllm:
         return "metrics.kind is epp but the body is a vLLM engine's (vllm:* series, no EPP pool series)"
     if kind == "vllm" and not has_vllm and has_epp:
@@ -163,7 +164,7 @@ class _Checked:
 
 
 def derive(expo: Exposition, *, pool: str | None = None, queue_full_at: float | None = None,
-           kind: str = "auto") -> Derivation:
+           kind: str = "auto", pools: tuple[str, ...] | None = None) -> Derivation:
     """Derive one provider's load from one exposition (one instant), leaving out the fields
     whose values are out of range (see Derivation, _Checked).
 
@@ -177,9 +178,10 @@ def derive(expo: Exposition, *, pool: str | None = None, queue_full_at: float | 
         engine's; "auto" tells them apart (EPP pool series first). A body without the
         named flavour's series derives nothing (the caller refuses one of the other
         flavour first: see kind_mismatch).
+    pools: pool_names(expo), when the caller has it already (kind_mismatch needed it too).
     """
     checked = _Checked()
-    load = _derive(expo, pool, queue_full_at, kind, checked)
+    load = _derive(expo, pool, queue_full_at, kind, checked, pools)
     return Derivation(load, checked.invalid)
 
 
@@ -190,10 +192,11 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
 
 
 def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kind: str,
-            checked: _Checked) -> LoadSignals:
+            checked: _Checked, pools: tuple[str, ...] | None) -> LoadSignals:
     if kind == "vllm":
         return _derive_vllm(expo, queue_full_at, checked) if _has_vllm_series(expo) else LoadSignals()
-    pools = pool_names(expo)
+    if pools is None:
+        pools = pool_names(expo)
     if pools:
         if pool is None:
             if len(pools) != 1:

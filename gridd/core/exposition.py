@@ -53,6 +53,11 @@ cost a few C-level string calls.
     name{a="x",b="y"} value, no blanks inside the braces, no timestamp. With no
     backslash every '"' opens or closes a value, so split('"') yields the label-name
     layout and the values; the layout selects a compiled dict builder (_builder).
+  * With a SeriesCache (one per provider), a line whose text before its value was a kept
+    canonical line of the target's previous scrape costs a slice, a lookup and float().
+    When every picked line repeats the previous scrape's up to its value (a target's steady
+    state), the parse after the scan is a few C-level passes over the lines (_Shape in
+    gridd/core/exposition_result.py, where the result types live).
 Any other line goes to `_parse_line`, the authority: the fast paths only accept a line
 when `_parse_line` would return the same sample (tests/test_exposition.py checks this).
 """
@@ -60,85 +65,23 @@ when `_parse_line` would return the same sample (tests/test_exposition.py checks
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container
 
-__all__ = ["BucketRun", "Exposition", "parse_exposition"]
+from gridd.core.exposition_result import (
+    BucketRun,
+    CachedSeries,
+    Entry,
+    Exposition,
+    Labels,
+    SeriesCache,
+    _shape_of,
+)
+from gridd.core.exposition_scan import _kept_names, _scan
 
+__all__ = ["BucketRun", "Exposition", "SeriesCache", "parse_exposition"]
 
-Labels = dict[str, str]
-Series = list[tuple[Labels, float]]
 Builder = Callable[[list[str]], Labels]
 
-
-class BucketRun:
-    """Consecutive bucket lines of one histogram series, as the parse keeps them: they differ
-    only in ``le``, the last label. ``labels``: the series' labels (its ``le`` is any one of
-    the run's); ``les`` and ``values``: each bucket's ``le`` text and count, in order."""
-
-    __slots__ = ("labels", "les", "values")
-
-    def __init__(self, labels: Labels, les: list[str], values: list[float]) -> None:
-        self.labels = labels
-        self.les = les
-        self.values = values
-
-    def samples(self) -> Series:
-        """The buckets as samples, each owning its labels dict."""
-        out: Series = []
-        for le, value in zip(self.les, self.values, strict=True):
-            labels = self.labels.copy()
-            labels["le"] = le
-            out.append((labels, value))
-        return out
-
-
-Entry = tuple[Labels, float] | BucketRun
-
-
-class Exposition:
-    """What parse_exposition read: ``samples`` (kept name -> list of (labels dict, value), in
-    input order) and ``malformed_lines``.
-
-    The parse keeps a histogram's bucket runs (BucketRun) without a labels dict per bucket;
-    ``samples`` and ``series(name)`` write them out as samples on first use, ``entries(name)``
-    reads a name's samples and bucket runs as they are (what the latency window does).
-    """
-
-    __slots__ = ("malformed_lines", "_entries", "_with_buckets")
-
-    def __init__(self) -> None:
-        self.malformed_lines = 0
-        self._entries: dict[str, list[Entry]] = {}
-        # The names whose entries hold a BucketRun, not yet written out as samples.
-        self._with_buckets: set[str] = set()
-
-    def names(self) -> Iterable[str]:
-        """The names with samples, in order of first appearance."""
-        return self._entries.keys()
-
-    def entries(self, name: str) -> list[Entry]:
-        """One name's samples and bucket runs, in input order; empty when it has none."""
-        return self._entries.get(name, [])
-
-    def series(self, name: str) -> Series:
-        """One name's samples; empty when it has none."""
-        if name in self._with_buckets:
-            self._with_buckets.discard(name)
-            entries = self._entries[name]
-            written: Series = []
-            for entry in entries:
-                if isinstance(entry, BucketRun):
-                    written.extend(entry.samples())
-                else:
-                    written.append(entry)
-            entries[:] = written
-        return self._entries.get(name, [])  # type: ignore[return-value]  # samples only now
-
-    @property
-    def samples(self) -> dict[str, Series]:
-        for name in list(self._with_buckets):
-            self.series(name)
-        return self._entries  # type: ignore[return-value]  # samples only now
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -256,76 +199,11 @@ def _split_undecodable(body: bytes) -> tuple[list[str], list[str]]:
     return lines, broken
 
 
-def _name_alternation(names: list[str]) -> str:
-    """A regex alternation matching exactly ``names`` (sorted, distinct), factored by common
-    prefixes, so the engine tries a branch per distinct next character, not per name."""
-    if names == [""]:
-        return ""
-    branches: dict[str, list[str]] = {}
-    for name in names:
-        if name:
-            branches.setdefault(name[0], []).append(name[1:])
-    alternatives = []
-    for first, rests in branches.items():
-        prefix = first
-        # Extend the shared prefix while every rest goes on with the same character.
-        while rests[0] and all(rest[:1] == rests[0][:1] for rest in rests):
-            prefix += rests[0][0]
-            rests = [rest[1:] for rest in rests]
-        alternatives.append(re.escape(prefix) + _optional_group(rests))
-    return "|".join(alternatives)
-
-
-def _optional_group(rests: list[str]) -> str:
-    if rests == [""]:
-        return ""
-    inner = _name_alternation([rest for rest in rests if rest])
-    return f"(?:{inner})?" if "" in rests else f"(?:{inner})"
-
-
-# wanted (as a frozenset) -> the pattern selecting the lines the parse must see (_scan), or
-# None when the set holds something other than names.
-_SCANS: dict[frozenset[object], re.Pattern[str] | None] = {}
-_SCANS_MAX = 64
-
-
-def _scan(wanted: frozenset[object] | set[object]) -> re.Pattern[str] | None:
-    """The lines of a body, each after its "\n", that can change the result of a parse with
-    ``wanted``: those whose leading name (the longest run of name characters, as
-    _LEADING_NAME reads it) is a wanted name, and those that start with neither a name
-    character nor '#' (blanks, digits, garbage: parsed, or counted as malformed, as before).
-    Every other line starts with '#' or with an unwanted name: the line loop skips it
-    without counting, so leaving it out changes nothing (module docstring)."""
-    key = wanted if isinstance(wanted, frozenset) else frozenset(wanted)
-    try:
-        return _SCANS[key]
-    except KeyError:
-        pass
-    names = [name for name in key if isinstance(name, str)]
-    pattern = None
-    if len(names) == len(key):
-        alternation = _name_alternation(sorted(names))
-        pattern = re.compile(r"\n((?:(?:" + alternation + r")(?![a-zA-Z0-9_:])|[^a-zA-Z_:#\n])[^\n]*)")
-    if len(_SCANS) < _SCANS_MAX:
-        _SCANS[key] = pattern
-    return pattern
-
-
-_KEPT_NAMES: dict[frozenset[object], frozenset[str]] = {}
-
-
-def _kept_names(wanted: frozenset[object] | set[object]) -> frozenset[str]:
-    """The names in ``wanted`` that are metric names (what classify keeps), per wanted set."""
-    key = wanted if isinstance(wanted, frozenset) else frozenset(wanted)
-    found = _KEPT_NAMES.get(key)
-    if found is None:
-        found = frozenset(name for name in key if isinstance(name, str) and _METRIC_NAME.fullmatch(name))
-        if len(_KEPT_NAMES) < _SCANS_MAX:
-            _KEPT_NAMES[key] = found
-    return found
-
-
-def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) -> Exposition:
+def parse_exposition(
+    body: bytes | str, wanted: Container[str] | None = None, cache: SeriesCache | None = None
+) -> Exposition:
+    if cache is not None and cache.wanted is not wanted:
+        cache.wanted, cache.series, cache.shape = wanted, {}, None
     out = Exposition()
     samples = out._entries
 
@@ -337,6 +215,7 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
         return head is None or head.group(1) in wanted
 
     malformed = 0
+    scan = None
     try:
         text = body if isinstance(body, str) else body.decode("utf-8")
     except UnicodeDecodeError:
@@ -349,6 +228,10 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
         # The lines that matter, picked in one C-level pass (_scan); an EPP body's latency
         # and load families are about a quarter of its lines.
         lines = scan.findall("\n" + text) if scan is not None else text.split("\n")
+        if cache is not None and cache.shape is not None and scan is not None:
+            shaped = cache.shape.parse(lines, not text.isascii())
+            if shaped is not None:
+                return shaped  # the lines of the scrape before, their values new (_Shape)
         # float() reads non-ASCII digits and spaces; only a non-ASCII body can hold them
         # (str.isascii() is O(1)).
         check_ascii = not text.isascii()
@@ -376,8 +259,12 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
             return False
         return samples.setdefault(name, [])
 
+    slow_lines = 0
+
     def slow(line: str) -> int:
         """_parse_line and keep the sample if wanted; 1 when the line counts as malformed."""
+        nonlocal slow_lines
+        slow_lines += 1
         parsed = _parse_line(line)
         if parsed is None:
             return 1 if counts_as_malformed(line) else 0
@@ -406,6 +293,16 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
     run_label: str | None = None
     run_first: Entry | None = None
     run_bucket: BucketRun | None = None
+
+    # The series cache (SeriesCache): `cached` holds the previous parse's series, `seen` the
+    # ones this parse finds (hits and new canonical lines), which replace them at the end.
+    cached: dict[str, CachedSeries] = {}
+    seen: dict[str, CachedSeries] = {}
+    seen_max = 0
+    # Lines the general path parsed whole (not a cached series): a shape needs none.
+    fresh = 0
+    if cache is not None:
+        cached, seen_max = cache.series, cache.limit
 
     for line in lines:
         if line[:run_len] == run:
@@ -451,6 +348,40 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
                     continue
             # Not the run's shape after all: the general path decides.
 
+        if cached:
+            # A series of the scrape before: line = series " " token, the token without
+            # a blank. The series was a canonical line's text up to '"} ', and the line
+            # is canonical again when its token is a plain float (the checks below are
+            # the general path's): the same name and labels, whatever the value.
+            cut = line.rfind(" ")
+            series_text = line[:cut]
+            hit = cached.get(series_text)
+            if hit is not None:
+                token = line[cut + 1 :]
+                if "_" not in token and (not check_ascii or token.isascii()):
+                    try:
+                        value = float(token)
+                    except ValueError:
+                        pass
+                    else:
+                        name, labels, run_len = hit
+                        # A kept name (classify would return this list).
+                        kept = samples.get(name)
+                        if kept is None:
+                            kept = samples[name] = []
+                        run_first = (labels, value)
+                        kept.append(run_first)
+                        if len(seen) < seen_max:
+                            seen[series_text] = hit
+                        run = line[:run_len]
+                        run_skip = False
+                        run_name = name
+                        run_dest = kept
+                        run_labels = labels
+                        run_label = None
+                        run_bucket = None
+                        continue
+
         name, brace, rest = line.partition("{")
         if brace:
             dest = route.get(name)
@@ -489,6 +420,10 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
             dest.append(run_first)
             # line = name "{" head '"} ' token, and head ends with the last value.
             run_len = len(name) + 1 + len(head) - len(pieces[-1])
+            fresh += 1
+            if " " not in token and len(seen) < seen_max:
+                # The line's series text: everything before its last blank (SeriesCache).
+                seen[line[: len(line) - len(token) - 1]] = (name, labels, run_len)
             run = line[:run_len]
             run_skip = False
             run_name = name
@@ -520,6 +455,12 @@ def parse_exposition(body: bytes | str, wanted: Container[str] | None = None) ->
         dest.append(({}, value))
 
     out.malformed_lines = malformed
+    if cache is not None:
+        cache.series = seen
+        # A scrape whose every line repeated a cached series (a target's steady state) and
+        # went through the fast paths: the next scrape may have its shape.
+        steady = scan is not None and not fresh and not slow_lines and not malformed and lines
+        cache.shape = _shape_of(lines, out) if steady and len(lines) <= 4 * cache.limit else None
     # A kept name whose every line was malformed got a list but no sample.
     for name in [name for name, series in samples.items() if not series]:
         del samples[name]
