@@ -15,6 +15,7 @@ from support import GATEWAY, TD, WALL0, Grid, memory_link_factory, operator_conf
 from gridd import wire
 from gridd.config import load_config
 from gridd.core.admission import AdmissionFences, Outcome
+from gridd.core.batch import ordering
 from gridd.core.feedback import (
     FAILURE_REASONS,
     LEDGER_EPOCHS_MAX,
@@ -699,10 +700,14 @@ async def test_e2e_a_skewed_peer_is_reported_shown_and_resolved(fgrid, autojump_
     assert fgrid.condition()["status"] == "False"
     await trio.sleep_until(o + 5.6)
     assert fgrid.skew_drops() == 1
-    # b's batch is its fifth (the +4 scrape), the latest when a polled it at +5.
+    # The evidence names the batch dropped: b's latest when a polled it at +5, which a still
+    # holds (its next poll of b is at +10). b's +5 scrape falls on the same instant as that
+    # poll, and either may run first, so that batch is b's fifth (the +4 scrape) or sixth.
+    held = fgrid.operators["a"].holdings.get("b", "pool-b")
+    assert held is not None and ordering(held.batch) in {(fgrid.epoch_b, 5), (fgrid.epoch_b, 6)}
     assert fgrid.fault.reports_sent[-1] == FeedbackReport(
         reporter_epoch=EPOCH, sequence=6, skew_drops=1,
-        evidence=(SkewEvidence("b", "pool-b", fgrid.epoch_b, 5),))
+        evidence=(SkewEvidence("b", "pool-b", *ordering(held.batch)),))
     cond = fgrid.condition()
     assert cond["status"] == "True" and cond["reason"] == "SkewRejected"
     assert "rejected 1 batch(es)" in cond["message"]
