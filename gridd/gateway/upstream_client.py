@@ -41,6 +41,7 @@ from gridd.gateway.upstream_request import (
     UpstreamTarget,
     request_header_block,
 )
+from gridd.http import sockio
 
 __all__ = [
     "RECEIVE_BYTES",
@@ -101,19 +102,7 @@ class _Connection:
             return
         sock = self.sock
         assert sock is not None  # a plain connection
-        try:
-            sent = sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        if sent == len(data):
-            return
-        view = memoryview(data)[sent:]
-        while view:
-            await trio.lowlevel.wait_writable(sock)
-            try:
-                view = view[sock.send(view):]
-            except BlockingIOError:
-                pass
+        await sockio.send_all(sock, data)
 
     async def receive(self, *, wait_first: bool) -> bytes:
         """The next bytes from the server (b"" once it closed). ``wait_first``: wait for
@@ -124,14 +113,7 @@ class _Connection:
         else:
             sock = self.sock
             assert sock is not None  # a plain connection
-            if wait_first:
-                await trio.lowlevel.wait_readable(sock)
-            while True:
-                try:
-                    data = sock.recv(RECEIVE_BYTES)
-                    break
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(sock)
+            data = await sockio.receive(sock, RECEIVE_BYTES, wait_first=wait_first)
         self.last_read_at = trio.current_time()
         return data
 

@@ -40,6 +40,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from gridd.http import sockio
 from gridd.operator.http1_parser import (
     HEAD_MAX,
     BodyCapExceeded,
@@ -113,17 +114,10 @@ class _Connection:
             assert self.stream is not None
             await self.stream.send_all(data)
             return
-        while True:
-            try:
-                sent = sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise _broken(exc) from exc
-            if sent == len(data):
-                return
-            data = data[sent:]
-            await trio.lowlevel.wait_writable(sock)
+        try:
+            await sockio.send_all(sock, data)
+        except OSError as exc:
+            raise _broken(exc) from exc
 
     async def receive(self, into: memoryview, *, wait_first: bool) -> bytes | bytearray | memoryview:
         """Bytes read into ``into`` (a view of them, valid until the next read), or b"" at
@@ -133,15 +127,10 @@ class _Connection:
         if sock is None:
             assert self.stream is not None
             return await self.stream.receive_some(RECEIVE_BYTES)
-        if wait_first:
-            await trio.lowlevel.wait_readable(sock)
-        while True:
-            try:
-                return into[: sock.recv_into(into)]
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-            except OSError as exc:
-                raise _broken(exc) from exc
+        try:
+            return into[: await sockio.receive_into(sock, into, wait_first=wait_first)]
+        except OSError as exc:
+            raise _broken(exc) from exc
 
     async def aclose(self) -> None:
         """Close now, whatever state the connection is in."""
