@@ -189,7 +189,7 @@ class Forwarder:
                 phase = "first_byte"
                 metrics = self.metrics
                 metrics.observe_upstream_latency(target.site, trio.current_time() - sent_at)
-                relayed, _ = response_headers(upstream.headers)
+                relayed = response_headers(upstream.headers)
                 # Which site and provider answered, `<site>/<provider>`: for clients' logs and the
                 # demo; never read by routing. A remote site's gateway set it first (it picked its
                 # own provider); a local provider's answer cannot name itself.

@@ -97,8 +97,7 @@ def as_upstream(given: object) -> Upstream:
     client, say: the front needs none of a client's layers)."""
     if isinstance(given, httpx.AsyncBaseTransport):
         return HttpxUpstream(given)
-    if isinstance(given, httpx.AsyncClient) or not callable(getattr(given, "open", None)) \
-            or not callable(getattr(given, "aclose", None)):
+    if not isinstance(given, Upstream):  # an httpx.AsyncClient has no open(): refused here
         raise TypeError("the front forwards through an upstream client (make_upstream_client()) or an "
                         f"httpx transport, not {type(given).__name__}")
-    return cast(Upstream, given)
+    return given

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import httpx
 
@@ -56,6 +56,7 @@ class UpstreamAnswer(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
 class Upstream(Protocol):
     """Where the front sends requests: ``open`` POSTs ``body`` to ``target`` with the client's
     headers (filtered here: request_headers) and returns once the response head is in. Every
@@ -76,7 +77,7 @@ HOP_BY_HOP = frozenset({
 })
 
 # Client request headers the gateway drops on top of the hop-by-hop ones:
-# - host, content-length: httpx writes them for the upstream request;
+# - host, content-length: the forwarding client (or an httpx transport) writes its own;
 # - authorization, cookie: the client's credentials are for this gateway; providers get the
 #   provider credentials our operator configured, remote sites their own;
 # - expect: 100-continue is answered by our HTTP server, the body is already read;
@@ -178,7 +179,8 @@ def request_headers(client: list[tuple[bytes, bytes]],
     Everything the client sent passes (content-type, accept, accept-encoding, user-agent,
     x-request-id, llm-d's x-llm-d-inference-fairness-id, ...) except hop-by-hop headers,
     headers the client's Connection header lists, and _DROPPED_REQUEST. Nothing is added
-    but the target's headers (an httpx transport sets only Host and Content-Length), so the
+    but the target's headers (the forwarding client, like an httpx transport, adds only Host and
+    Content-Length), so the
     upstream is asked for exactly the encodings the client accepts and its bytes can be
     relayed unchanged.
     """
@@ -197,19 +199,15 @@ def request_header_block(client: list[tuple[bytes, bytes]], target_names: frozen
     return block
 
 
-def response_headers(upstream: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], int]:
-    """Upstream response headers to relay (all but hop-by-hop and Connection-listed ones) and
-    the body length they declare (-1 when none or unreadable).
+def response_headers(upstream: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers to relay: all but hop-by-hop and Connection-listed ones.
 
     Content-Length and Content-Encoding pass: the body is relayed byte for byte."""
     listed = _connection_listed(upstream)
     out = []
-    length = -1
     for name, value in upstream:
         lowered = name.lower()
         if lowered in _DROPPED_RESPONSE or (listed and lowered in listed):
             continue
-        if lowered == b"content-length":
-            length = int(value) if value.isdigit() else -1
         out.append((lowered, value))
-    return out, length
+    return out
