@@ -403,8 +403,11 @@ def test_a_repeated_body_shape_takes_the_reference_path(filename: str) -> None:
         for body in (text, text, variant):
             expected, malformed = reference_parse(body, WANTED_SAMPLES)
             shaped = cache.shape is not None
+            layout = cache.shape
             got = parse_exposition(body.encode(), WANTED_SAMPLES, cache)
             assert (comparable(got.samples), got.malformed_lines) == (comparable(expected), malformed)
+            # Read through the shape: its layout says so, and only then (readers key on it).
+            assert got.layout is (layout if shaped and cache.shape is layout else None)
         assert shaped  # the variant met the shape of `text`
     for kind in ("auto", "epp", "vllm"):
         check_path([text, revalued(text, rng), relabelled(text, rng), text, revalued(text, rng)], kind)

@@ -67,12 +67,19 @@ class Exposition:
     The parse keeps a histogram's bucket runs (BucketRun) without a labels dict per bucket;
     ``samples`` and ``series(name)`` write them out as samples on first use, ``entries(name)``
     reads a name's samples and bucket runs as they are (what the latency window does).
+
+    ``layout``: the _Shape the parse read it through (the steady-state fast path), else None.
+    Two expositions with the same ``layout`` object hold the same names, with the same labels
+    in the same order; only their values may differ. A reader may keep what it computed from
+    labels alone (which series belong to which pool or endpoint) for as long as the layout
+    object it saw comes back.
     """
 
-    __slots__ = ("malformed_lines", "_entries", "_with_buckets")
+    __slots__ = ("malformed_lines", "layout", "_entries", "_with_buckets")
 
     def __init__(self) -> None:
         self.malformed_lines = 0
+        self.layout: object | None = None
         self._entries: dict[str, list[Entry]] = {}
         # The names whose entries hold a BucketRun, not yet written out as samples.
         self._with_buckets: set[str] = set()
@@ -155,6 +162,7 @@ class _Shape:
         except ValueError:
             return None
         out = Exposition()
+        out.layout = self
         for name, plain, lines_slice, placements in self.names:
             if plain is not None:
                 out._entries[name] = list(zip(plain, values[lines_slice], strict=True))
