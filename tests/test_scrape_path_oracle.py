@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Container
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
@@ -411,6 +411,53 @@ def test_a_repeated_body_shape_takes_the_reference_path(filename: str) -> None:
         assert shaped  # the variant met the shape of `text`
     for kind in ("auto", "epp", "vllm"):
         check_path([text, revalued(text, rng), relabelled(text, rng), text, revalued(text, rng)], kind)
+
+
+# Tokens a line may carry after its shape's prefix, and lines without a blank that stand in
+# for a picked line (the scan picks lines that start with neither a name character nor '#').
+SHAPE_TOKENS = ["0", "12.5", "NaN", "+Inf", "-Inf", "1e3", "1_0", "x", "", "1 2", "\t3", "3\t",
+                "\u0663", "0x1", "1\r", " 4"]
+STAND_INS = ["9", "1e3", "+7", "-1", ".5", "{}", "\t9", "7 7"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bodies(), st.data())
+def test_a_body_read_through_a_shape_takes_the_reference_path(body: str, data: st.DataObject) -> None:
+    """Once a body's picked lines repeat, the next parse goes through its shape (_Shape: each
+    token cut at its line's prefix, all checked and read at once, the samples built per name).
+    With plain new values it must take that path; with a line's prefix broken (a line swapped
+    for one without a blank: removeprefix leaves it whole) or a token the line loop refuses,
+    it must leave it; either way the result equals the reference's."""
+    def plain_values(lines: list[str]) -> list[str]:
+        return [f"{line.rpartition(' ')[0]} {data.draw(st.integers(0, 99))}" if " " in line else line
+                for line in lines]
+
+    # The lines a shape can be made of (canonical, parsed whole), with plain values.
+    lines = plain_values([line for line in body.split("\n") if "\\" not in line and _parse_line(line)])
+    body = "\n".join(lines)
+    cache = SeriesCache()
+    for _ in range(2):
+        parse_exposition(body.encode(), WANTED_SAMPLES, cache)
+    shape = cache.shape
+    assume(shape is not None)
+    plain = plain_values(lines)
+    edited = []
+    for line in lines:
+        head, blank, _ = line.rpartition(" ")
+        edit = data.draw(st.integers(0, 5))
+        if edit == 0:
+            line = data.draw(st.sampled_from(STAND_INS))
+        elif blank and edit < 4:
+            line = f"{head} {data.draw(st.sampled_from(SHAPE_TOKENS))}"
+        edited.append(line)
+    for at, variant in enumerate(("\n".join(plain), "\n".join(edited), body)):
+        expected, malformed = reference_parse(variant, WANTED_SAMPLES)
+        layout = cache.shape
+        got = parse_exposition(variant.encode(), WANTED_SAMPLES, cache)
+        assert (comparable(got.samples), got.malformed_lines) == (comparable(expected), malformed)
+        assert got.layout is (layout if layout is not None and cache.shape is layout else None)
+        if at == 0:
+            assert got.layout is shape  # plain new values: the shape's path
 
 
 def test_series_cache_is_bounded_and_keeps_only_the_latest_scrape() -> None:

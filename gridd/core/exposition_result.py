@@ -6,7 +6,8 @@ gridd.core.exposition parses; its docstring describes the fast paths these serve
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from operator import is_, itemgetter
 
 __all__ = ["BucketRun", "Exposition", "SeriesCache"]
 
@@ -117,41 +118,53 @@ class Exposition:
 Placement = tuple[Labels, int, int, list[str] | None]
 
 
-# slice(n, None) for n below _SHARED_CUTS, shared by every target's shape (memory).
-_SHARED_CUTS = 1024
-_CUTS = [slice(n, None) for n in range(_SHARED_CUTS)]
-
-
-def _cut(n: int) -> slice:
-    return _CUTS[n] if n < _SHARED_CUTS else slice(n, None)
-
-
 class _Shape:
     """A parse whose every line went through a fast path into one sample, with each line's text
     up to its value and the blank before it (``prefixes``) and where each value went. A body
     whose picked lines have those prefixes and plain value tokens parses to the same samples
-    and bucket runs with its own values (_shape_of has why), built here in C-level steps."""
+    and bucket runs with its own values (_shape_of has why), built here in C-level steps.
 
-    __slots__ = ("prefixes", "cuts", "names")
+    The samples of the names without a bucket run are built in one zip, grouped by name (their
+    labels in ``labels``, in that order; ``pick`` takes their values out of the lines' values
+    in that order, None when those are the first lines) and handed out as one slice per
+    name (``slices``, in ``names`` order: the parse's order of first appearance). The names
+    with a bucket run (``runs``) are built from their placements."""
+
+    __slots__ = ("prefixes", "names", "slices", "labels", "pick", "runs")
 
     def __init__(self, prefixes: list[str], names: list[tuple[str, list[Placement]]]) -> None:
         self.prefixes = prefixes
-        self.cuts = [_cut(len(prefix)) for prefix in prefixes]
-        # Per name: its placements, or, when they are samples of adjacent lines (most names),
-        # their labels and the slice of lines, zipped in C.
-        self.names: list[tuple[str, list[Labels] | None, slice, list[Placement]]] = []
+        self.names = [name for name, _ in names]
+        self.slices: list[slice] = []
+        self.labels: list[Labels] = []
+        self.runs: list[tuple[str, list[Placement]]] = []
+        lines: list[int] = []
         for name, placements in names:
-            first, last = placements[0][1], placements[-1][1]
-            plain = None
-            if all(les is None for _, _, _, les in placements) and last - first + 1 == len(placements):
-                plain = [labels for labels, _, _, _ in placements]
-            self.names.append((name, plain, slice(first, last + 1), placements))
+            if any(les is not None for _, _, _, les in placements):
+                self.runs.append((name, placements))
+                self.slices.append(slice(0, 0))  # a placeholder: parse writes the name's entries
+                continue
+            start = len(lines)
+            for labels, line, _, _ in placements:
+                lines.append(line)
+                self.labels.append(labels)
+            self.slices.append(slice(start, len(lines)))
+        # zip stops at the last label, so values in the lines' own order need no pick when
+        # those samples are the first lines (all of them, usually). itemgetter of one index
+        # returns the value, not a tuple: a second index (any line) keeps it a tuple.
+        self.pick = None if lines == list(range(len(lines))) else itemgetter(*lines, 0)
 
     def parse(self, lines: list[str], check_ascii: bool) -> Exposition | None:
         """``lines`` parsed, or None when they do not have this shape (the full parse decides)."""
-        if len(lines) != len(self.prefixes) or not all(map(str.startswith, lines, self.prefixes)):
+        if len(lines) != len(self.prefixes):
             return None
-        tokens: list[str] = list(map(str.__getitem__, lines, self.cuts))
+        # Each line's token, its text after its prefix. removeprefix hands back the line itself
+        # (the same object: a str from the scan, never a subclass) when it does not start with
+        # its prefix; a prefix is never empty (it ends with a blank), so a line that does start
+        # with it gives a shorter, new string.
+        tokens: list[str] = list(map(str.removeprefix, lines, self.prefixes))
+        if any(map(is_, tokens, lines)):
+            return None
         joined = "".join(tokens)
         # The line loop's token checks, on every token at once; no blank: each prefix still
         # ends at its line's last blank.
@@ -161,20 +174,22 @@ class _Shape:
             values = list(map(float, tokens))
         except ValueError:
             return None
+        picked = values if self.pick is None else self.pick(values)
+        samples: list[Entry] = list(zip(self.labels, picked, strict=False))  # values may run on (__init__)
         out = Exposition()
         out.layout = self
-        for name, plain, lines_slice, placements in self.names:
-            if plain is not None:
-                out._entries[name] = list(zip(plain, values[lines_slice], strict=True))
-                continue
-            entries: list[Entry] = []
+        # Each name's samples, a fresh list (Exposition.series rewrites a name's list in place).
+        cut: Callable[[slice], list[Entry]] = samples.__getitem__  # the slice overload
+        entries = out._entries = dict(zip(self.names, map(cut, self.slices), strict=True))
+        for name, placements in self.runs:
+            built: list[Entry] = []
             for labels, start, stop, les in placements:
                 if les is None:
-                    entries.append((labels, values[start]))
+                    built.append((labels, values[start]))
                 else:
-                    entries.append(BucketRun(labels, les.copy(), values[start:stop]))
-                    out._with_buckets.add(name)
-            out._entries[name] = entries
+                    built.append(BucketRun(labels, les.copy(), values[start:stop]))
+            entries[name] = built  # its key is in place already: the order of names holds
+            out._with_buckets.add(name)
         return out
 
 
