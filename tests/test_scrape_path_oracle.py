@@ -458,6 +458,8 @@ def test_a_body_read_through_a_shape_takes_the_reference_path(body: str, data: s
         assert got.layout is (layout if layout is not None and cache.shape is layout else None)
         if at == 0:
             assert got.layout is shape  # plain new values: the shape's path
+            # Keyed by the wanted set's own strings (shared by every target, found by identity).
+            assert {id(name) for name in got.names()} <= {id(name) for name in WANTED_SAMPLES}
 
 
 def test_series_cache_is_bounded_and_keeps_only_the_latest_scrape() -> None:

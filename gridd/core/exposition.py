@@ -244,9 +244,9 @@ def parse_exposition(
     route: dict[str, list[Entry] | bool] = {}
     builders = _BUILDERS
 
-    # The wanted names that are metric names: kept without another check (a set of them
-    # is kept per wanted set, with its scan).
-    kept_names = _kept_names(wanted) if isinstance(wanted, frozenset | set) else frozenset()
+    # The wanted names that are metric names: kept without another check (kept per wanted
+    # set, with its scan, each mapped to the set's own object, which a _Shape keys by).
+    kept_names = _kept_names(wanted) if isinstance(wanted, frozenset | set) else {}
 
     def classify(name: str) -> list[Entry] | bool:
         if name in kept_names:
@@ -460,7 +460,7 @@ def parse_exposition(
         # A scrape whose every line repeated a cached series (a target's steady state) and
         # went through the fast paths: the next scrape may have its shape.
         steady = scan is not None and not fresh and not slow_lines and not malformed and lines
-        cache.shape = _shape_of(lines, out) if steady and len(lines) <= 4 * cache.limit else None
+        cache.shape = _shape_of(lines, out, kept_names) if steady and len(lines) <= 4 * cache.limit else None
     # A kept name whose every line was malformed got a list but no sample.
     for name in [name for name, series in samples.items() if not series]:
         del samples[name]

@@ -6,7 +6,7 @@ gridd.core.exposition parses; its docstring describes the fast paths these serve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from operator import is_, itemgetter
 
 __all__ = ["BucketRun", "Exposition", "SeriesCache"]
@@ -18,7 +18,9 @@ Series = list[tuple[Labels, float]]
 class BucketRun:
     """Consecutive bucket lines of one histogram series, as the parse keeps them: they differ
     only in ``le``, the last label. ``labels``: the series' labels (its ``le`` is any one of
-    the run's); ``les`` and ``values``: each bucket's ``le`` text and count, in order."""
+    the run's); ``les`` and ``values``: each bucket's ``le`` text and count, in order. Like the
+    labels, ``les`` is read-only: a parse read through a _Shape shares one list between the
+    runs with the same bounds, and with every later parse read through that shape."""
 
     __slots__ = ("labels", "les", "values")
 
@@ -139,8 +141,16 @@ class _Shape:
         self.labels: list[Labels] = []
         self.runs: list[tuple[str, list[Placement]]] = []
         lines: list[int] = []
+        # One list per distinct run of bucket bounds, the shape's own: every parse hands it out
+        # (BucketRun.les is read-only), so a parse neither copies it nor touches its strings.
+        bounds: dict[tuple[str, ...], list[str]] = {}
+
+        def own(les: list[str] | None) -> list[str] | None:
+            return None if les is None else bounds.setdefault(tuple(les), les[:])
+
         for name, placements in names:
             if any(les is not None for _, _, _, les in placements):
+                placements = [(labels, start, stop, own(les)) for labels, start, stop, les in placements]
                 self.runs.append((name, placements))
                 self.slices.append(slice(0, 0))  # a placeholder: parse writes the name's entries
                 continue
@@ -187,19 +197,20 @@ class _Shape:
                 if les is None:
                     built.append((labels, values[start]))
                 else:
-                    built.append(BucketRun(labels, les.copy(), values[start:stop]))
+                    built.append(BucketRun(labels, les, values[start:stop]))
             entries[name] = built  # its key is in place already: the order of names holds
             out._with_buckets.add(name)
         return out
 
 
-def _shape_of(lines: list[str], out: Exposition) -> _Shape | None:
+def _shape_of(lines: list[str], out: Exposition, canonical: Mapping[str, str]) -> _Shape | None:
     """The _Shape of a parse in which no line reached _parse_line and none was malformed, or
-    None. Every line must hold one sample, and its text after its last blank must be the
-    token the fast path read: the text before ends with '"}' (the '"} ' the fast path cut
-    at: a token without a blank holds no other) or is a bare name. Then a line with the same
-    text up to that blank and a plain token takes the same path to the same name and labels
-    (the run checks read only the text before the token, and the token checks are _Shape's)."""
+    None; its names are ``canonical``'s objects for them where it has them (equal strings).
+    Every line must hold one sample, and its text after its last blank must be the token the
+    fast path read: the text before ends with '"}' (the '"} ' the fast path cut at: a token
+    without a blank holds no other) or is a bare name. Then a line with the same text up to that
+    blank and a plain token takes the same path to the same name and labels (the run checks read
+    only the text before the token, and the token checks are _Shape's)."""
     prefixes: list[str] = []
     lines_of: dict[str, list[int]] = {}
     for index, line in enumerate(lines):
@@ -237,5 +248,5 @@ def _shape_of(lines: list[str], out: Exposition) -> _Shape | None:
                 return None
         if at != len(indices):
             return None
-        names.append((name, placements))
+        names.append((canonical.get(name, name), placements))
     return _Shape(prefixes, names)

@@ -68,15 +68,17 @@ def _scan(wanted: frozenset[object] | set[object]) -> re.Pattern[str] | None:
     return pattern
 
 
-_KEPT_NAMES: dict[frozenset[object], frozenset[str]] = {}
+_KEPT_NAMES: dict[frozenset[object], dict[str, str]] = {}
 
 
-def _kept_names(wanted: frozenset[object] | set[object]) -> frozenset[str]:
-    """The names in ``wanted`` that are metric names (what classify keeps), per wanted set."""
+def _kept_names(wanted: frozenset[object] | set[object]) -> dict[str, str]:
+    """The names in ``wanted`` that are metric names (what classify keeps), per wanted set, each
+    mapped to the set's own str object (the caller's constant: a parse read through a _Shape
+    keys its samples by it, shared by every target and found by identity)."""
     key = wanted if isinstance(wanted, frozenset) else frozenset(wanted)
     found = _KEPT_NAMES.get(key)
     if found is None:
-        found = frozenset(name for name in key if isinstance(name, str) and _METRIC_NAME.fullmatch(name))
+        found = {name: name for name in key if isinstance(name, str) and _METRIC_NAME.fullmatch(name)}
         if len(_KEPT_NAMES) < _SCANS_MAX:
             _KEPT_NAMES[key] = found
     return found
