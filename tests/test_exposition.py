@@ -738,3 +738,45 @@ def test_scan_alternation_matches_exactly_the_names() -> None:
         assert alternation.fullmatch(name)
         for near in (name + "q", name[:-1], name[1:]):
             assert bool(alternation.fullmatch(near)) == (near in names), near
+
+
+# max_lines: a body holding more newlines is refused before any line is read one by one,
+# on every path (the scan, the line loop, the undecodable body); a body read through the
+# target's shape is not counted (gridd.core.publication.MAX_EXPOSITION_LINES has why).
+KEPT = frozenset({"kept"})
+LIMITED = ["kept 1", "# TYPE kept gauge", "<html>", "other 2", 'kept{a="1"} 3']
+
+
+@pytest.mark.parametrize("wanted", [None, ["kept"], {"kept"}])
+@pytest.mark.parametrize("encoding", ["str", "bytes", "undecodable"])
+def test_max_lines_refuses_a_body_with_more_newlines(wanted, encoding: str) -> None:
+    text = "\n".join(LIMITED)
+    body: str | bytes = text if encoding == "str" else text.encode()
+    if encoding == "undecodable":
+        body = text.encode().replace(b"<html>", b"<\xff>")
+    newlines = len(LIMITED) - 1
+    unlimited = parse_exposition(body, wanted)
+    assert comparable(parse_exposition(body, wanted, max_lines=newlines)) == comparable(unlimited)
+    with pytest.raises(exposition.TooManyLines, match=f"^more than {newlines - 1} lines$"):
+        parse_exposition(body, wanted, max_lines=newlines - 1)
+
+
+def test_max_lines_does_not_count_a_body_read_through_its_shape() -> None:
+    cache = exposition.SeriesCache()  # kept under one wanted object (KEPT)
+    steady = "\n".join(['kept{a="1"} 1', "# TYPE other gauge", "other 2", 'kept{a="2"} 3'])
+    for _ in range(2):
+        parse_exposition(steady, KEPT, cache)
+    shape, series = cache.shape, dict(cache.series)
+    assert shape is not None
+    # Padded with lines the scan leaves out: the picked lines are the shape's, no count.
+    padded = steady.replace(" 3", " 4") + "\n" * 10 + "other 5\n" * 10
+    read = parse_exposition(padded, KEPT, cache, max_lines=3)
+    assert read.layout is shape
+    assert comparable(read) == comparable(parse_exposition(padded, KEPT))
+    # Padded with lines it picks: not the shape's lines, so counted and refused, the cache
+    # as it was (the next scrape of the steady body still reads through the shape).
+    for picked in (" \n" * 10, "kept 9\n" * 10):
+        with pytest.raises(exposition.TooManyLines):
+            parse_exposition(steady + "\n" + picked, KEPT, cache, max_lines=3)
+        assert cache.shape is shape and cache.series == series
+    assert parse_exposition(steady, KEPT, cache, max_lines=3).layout is shape

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import pathlib
 import random
+import time
 from collections.abc import Callable, Container
 
 import pytest
@@ -21,7 +22,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
-from gridd.core.exposition import Exposition, SeriesCache, _parse_line, parse_exposition
+from gridd.core.exposition import (
+    Exposition,
+    SeriesCache,
+    TooManyLines,
+    _parse_line,
+    _refuse_over,
+    parse_exposition,
+)
 from gridd.core.latency import (
     _EPP_ERRORS,
     _EPP_SUCCESS,
@@ -34,7 +42,7 @@ from gridd.core.latency import (
     _buckets,
     histogram_quantile,
 )
-from gridd.core.publication import MAX_EXPOSITION_LINES, _over_max_lines
+from gridd.core.publication import MAX_EXPOSITION_LINES, ProviderPublisher
 from gridd.core.readings import LatencyBlock
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -488,10 +496,62 @@ MAX = MAX_EXPOSITION_LINES
                                   b"a\n" * (MAX + 1) + b"x",
                                   b"x" * (2 * MAX), b"\r\n" * (MAX + 1)])
 def test_the_line_count_guard_counts_newlines_as_bytes_count_does(body: bytes) -> None:
-    assert _over_max_lines(body) == (body.count(b"\n") > MAX_EXPOSITION_LINES)
+    for counted in (body, body.decode()):
+        try:
+            _refuse_over(counted, MAX_EXPOSITION_LINES)
+        except TooManyLines as refused:
+            assert str(refused) == f"more than {MAX} lines"
+            over = True
+        else:
+            over = False
+        assert over == (body.count(b"\n") > MAX_EXPOSITION_LINES)
 
 
 SAMPLES_DIR = pathlib.Path(__file__).parent / "data" / "samples"
+
+
+def scrape_cpu_s(publisher: ProviderPublisher, body: bytes, now: float) -> float:
+    start = time.process_time()
+    publisher.on_scrape(now=now, wall_now=1000.0 + now, body=body, failure_class=None, stale_after_s=10,
+                        unavailable=False)
+    return time.process_time() - start
+
+
+def test_the_line_bound_holds_for_a_body_read_through_its_shape() -> None:
+    """MAX_EXPOSITION_LINES: a body over it is refused as parse before any line is read one by
+    one, except one read through the provider's shape (its picked lines those of the scrape
+    before), which reads no more lines than that scrape. Padded to 1 MiB with lines the scan
+    leaves out it is accepted; with lines it picks, refused after the scan. Either costs at
+    most about what 50 000 junk lines the scan picks cost the line loop (the bound's case)."""
+    good = (SAMPLES_DIR / "epp-healthy.prom").read_bytes()
+    junk_lines = b"9\n" * MAX  # not over the bound: parsed, every line malformed
+    bound_s = min(scrape_cpu_s(publisher(), junk_lines, 1.0) for _ in range(3))
+    for pad, refused in ((b"\n", False), (b"a\n", False), (b" \n", True), (b"9\n", True)):
+        body = good + pad * ((1 << 20) // len(pad))
+        costs = []
+        for _ in range(3):
+            pub = publisher()
+            for now in (1.0, 2.0):
+                pub.on_scrape(now=now, wall_now=1000.0 + now, body=good, failure_class=None,
+                              stale_after_s=10, unavailable=False)
+            costs.append(scrape_cpu_s(pub, body, 3.0))
+            summary = pub.summary
+            if refused:
+                assert summary.failures == {"parse": 1}
+                assert summary.last_failure_detail == f"more than {MAX} lines"
+            else:
+                assert summary.failures == {} and pub.last_load is not None
+            assert summary.malformed_lines == 0
+        assert min(costs) < 2 * bound_s, (pad, min(costs), bound_s)
+    # Without a shape (the first scrape) the count comes first, as it always did.
+    pub = publisher()
+    assert scrape_cpu_s(pub, good + b" \n" * (1 << 19), 1.0) < bound_s
+    assert pub.summary.failures == {"parse": 1}
+
+
+def publisher() -> ProviderPublisher:
+    return ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                             publisher_epoch=7, created_at=0.0, next_sequence=iter(range(1, 99)).__next__)
 
 
 @pytest.mark.parametrize("filename", sorted(p.name for p in SAMPLES_DIR.glob("*.prom")))
