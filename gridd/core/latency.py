@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from gridd.core.exposition import BucketRun, Exposition
+from gridd.core.exposition_result import Entry
 from gridd.core.readings import LatencyBlock
 
 __all__ = [
@@ -136,8 +137,14 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     Summing cumulative counts of several series bucket by bucket yields the cumulative
     histogram of their union (all EPP flows share one bucket layout).
     """
-    counted: list[BucketRun | tuple[dict[str, str], float]] = []
-    for entry in expo.entries(family):
+    entries = expo.entries(family)
+    return _summed_buckets([entries[i] for i in _counted_buckets(entries, models, streaming_only)])
+
+
+def _counted_buckets(entries: list[Entry], models: Models, streaming_only: bool) -> list[int]:
+    """Which of a bucket family's entries _buckets counts (by their labels alone)."""
+    counted: list[int] = []
+    for index, entry in enumerate(entries):
         labels = entry.labels if isinstance(entry, BucketRun) else entry[0]
         if streaming_only and labels.get("streaming") != "true":
             continue
@@ -145,7 +152,12 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
             model = labels.get("model_name")
             if model is not None and model not in models:
                 continue
-        counted.append(entry)
+        counted.append(index)
+    return counted
+
+
+def _summed_buckets(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """_buckets' sums of the entries it counts."""
     if not counted:
         return (), ()
     summed = _same_layout_sum(counted)
@@ -168,8 +180,7 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     return bounds, counts
 
 
-def _same_layout_sum(counted: list[BucketRun | tuple[dict[str, str], float]]
-                     ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+def _same_layout_sum(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """_buckets' sums in C-level steps when every series counted is a BucketRun with the same
     le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
     Each bound's sum adds the same counts in the same order as the per-bucket loop."""
@@ -216,7 +227,7 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
     body has any vllm:* series. models: applies to the EPP's rows only (an engine serves
     one model, labelled with its first --served-model-name, which need not be the
     provider's name)."""
-    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names())):
+    if _is_vllm_source(expo, kind):
         successes = completed = 0.0
         for labels, value in expo.series(_VLLM_SUCCESS):
             if not math.isfinite(value):
@@ -236,6 +247,77 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
     return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
                      failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                      tpot_sum=tpot_sum, tpot_count=tpot_count)
+
+
+# Which rows of a family a sum reads: (family, their indices in expo.series(family)), or None
+# when no family of the list has rows (the sum is 0.0).
+_Rows = tuple[str, list[int]] | None
+
+
+def _ours(expo: Exposition, families: tuple[str, ...], models: Models, *,
+          skip_empty_model: bool = False) -> _Rows:
+    """The rows _total sums, by their labels: the first family with rows, its rows of ours."""
+    for family in families:
+        rows = expo.series(family)
+        if rows:
+            return family, [index for index, (labels, _) in enumerate(rows) if _is_ours(labels, models)
+                            and not (skip_empty_model and labels.get("model_name") == "")]
+    return None
+
+
+def _finite_sum(expo: Exposition, rows: _Rows) -> float:
+    """_total's sum over the rows _ours picked: their finite values, in row order."""
+    if rows is None:
+        return 0.0
+    series = expo.series(rows[0])
+    return sum(v for v in (series[index][1] for index in rows[1]) if math.isfinite(v))
+
+
+class LatencyPlan:
+    """What _snapshot reads from an EPP exposition's names and labels alone: which family each
+    sum reads and which of its rows are the provider's (_is_ours), and which TTFT bucket
+    entries count. Built by latency_plan from one exposition, ``snapshot`` gives _snapshot's
+    result for any exposition with the same names and labels in the same order (the same
+    Exposition.layout): the same values, picked by position instead of by label, summed in
+    the same order."""
+
+    __slots__ = ("successes", "failures", "tpot_sum", "tpot_count", "ttft")
+
+    def __init__(self, expo: Exposition, models: Models) -> None:
+        self.successes = _ours(expo, _EPP_SUCCESS, models)
+        self.failures = _ours(expo, _EPP_ERRORS, models, skip_empty_model=True)
+        # _sum_count: the first histogram with count rows gives both sums.
+        self.tpot_sum: _Rows = None
+        self.tpot_count: _Rows = None
+        for name in _EPP_TPOT:
+            if expo.series(f"{name}_count"):
+                self.tpot_sum = _ours(expo, (f"{name}_sum",), models) or (f"{name}_sum", [])
+                self.tpot_count = _ours(expo, (f"{name}_count",), models)
+                break
+        self.ttft = _counted_buckets(expo.entries(_EPP_TTFT_BUCKET), models, True)
+
+    def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
+        successes = _finite_sum(expo, self.successes)
+        failures = _finite_sum(expo, self.failures)
+        if self.tpot_count is None:
+            tpot_sum, tpot_count = 0.0, 0.0
+        else:
+            tpot_sum, tpot_count = _finite_sum(expo, self.tpot_sum), _finite_sum(expo, self.tpot_count)
+        entries = expo.entries(_EPP_TTFT_BUCKET)
+        bounds, counts = _summed_buckets([entries[index] for index in self.ttft])
+        return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
+                         failures=failures, ttft_bounds=bounds, ttft_counts=counts,
+                         tpot_sum=tpot_sum, tpot_count=tpot_count)
+
+
+def _is_vllm_source(expo: Exposition, kind: str) -> bool:
+    return kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names()))
+
+
+def latency_plan(expo: Exposition, *, kind: str, models: Models) -> LatencyPlan | None:
+    """The LatencyPlan _snapshot(expo, kind=kind, models=models) reads through, or None for a
+    vLLM source (its snapshot is read the plain way)."""
+    return None if _is_vllm_source(expo, kind) else LatencyPlan(expo, models)
 
 
 def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
@@ -303,7 +385,7 @@ class LatencyWindow:
     """
 
     __slots__ = ("window_s", "min_completed", "kind", "models", "_snapshots", "_last_answer_at",
-                 "_answered_on_last_observe", "resets")
+                 "_answered_on_last_observe", "resets", "_plan_layout", "_plan")
 
     def __init__(self, window_s: float = DEFAULT_LATENCY_WINDOW_S,
                  min_completed: int = DEFAULT_MIN_COMPLETED, *, kind: str = "auto",
@@ -324,6 +406,10 @@ class LatencyWindow:
         self._answered_on_last_observe = False
         # Counter resets seen (EPP or vLLM restarts), for a metric.
         self.resets = 0
+        # The layout of the latest exposition read (Exposition.layout) and what _snapshot
+        # reads of it by label (None: a vLLM source, read the plain way).
+        self._plan_layout: object | None = None
+        self._plan: LatencyPlan | None = None
 
     @property
     def last_answer_at(self) -> float | None:
@@ -349,7 +435,18 @@ class LatencyWindow:
         return self._last_answer_at is not None and now - self._last_answer_at <= within_s
 
     def observe(self, now: float, expo: Exposition) -> LatencyBlock | None:
-        snap = _snapshot(now, expo, kind=self.kind, models=self.models)
+        layout = expo.layout
+        if layout is None:
+            snap = _snapshot(now, expo, kind=self.kind, models=self.models)
+        else:
+            # What _snapshot reads by label is kept while the exposition's layout comes back
+            # (same names and labels in the same order: LatencyPlan reads the same rows).
+            if layout is not self._plan_layout:
+                self._plan = latency_plan(expo, kind=self.kind, models=self.models)
+                self._plan_layout = layout
+            plan = self._plan
+            snap = (_snapshot(now, expo, kind=self.kind, models=self.models) if plan is None
+                    else plan.snapshot(now, expo))
         self._answered_on_last_observe = False
         if self._snapshots:
             prev = self._snapshots[-1]

@@ -16,8 +16,17 @@ from collections.abc import Callable
 import msgspec
 
 from gridd.core.batch import Batch
-from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
-from gridd.core.exposition import SeriesCache, parse_exposition
+from gridd.core.derivation import (
+    WANTED_SAMPLES,
+    EppPlan,
+    derive,
+    epp_plan,
+    has_vllm_series,
+    kind_mismatch,
+    mismatch_of,
+    pool_names,
+)
+from gridd.core.exposition import Exposition, SeriesCache, parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.payload import validate_payload
 from gridd.core.readiness import ReadinessTracker, Verdict, probe_only_verdict
@@ -56,6 +65,23 @@ class ScrapeSummary:
         self.last_scrape_at: float | None = None
         self.last_failure_class: str | None = None
         self.last_failure_detail = ""
+
+
+class _LayoutReads:
+    """What on_scrape reads from an exposition's names and labels alone, under the provider's
+    pool and kind: its pools, whether it has vLLM series, the EppPlan of its derivation.
+    Exposition.layout: every exposition with the same layout object has the same names
+    with the same labels in the same order, so these hold for it too (only values differ);
+    a new layout, pool or kind reads them again."""
+
+    __slots__ = ("layout", "pool", "kind", "pools", "has_vllm", "epp")
+
+    def __init__(self, expo: Exposition, *, pool: str | None, kind: str) -> None:
+        self.layout = expo.layout
+        self.pool, self.kind = pool, kind
+        self.pools = pool_names(expo)
+        self.has_vllm = has_vllm_series(expo)
+        self.epp: EppPlan | None = epp_plan(expo, pool=pool, kind=kind, pools=self.pools)
 
 
 class ProviderPublisher:
@@ -103,6 +129,8 @@ class ProviderPublisher:
         self.summary = ScrapeSummary()
         # This provider's series from its latest scrape: a line that repeats is not parsed again.
         self._series = SeriesCache()
+        # What the readers took from the latest exposition with a layout, by label.
+        self._reads: _LayoutReads | None = None
         self.last_load: LoadSignals | None = None
         self.last_latency: LatencyBlock | None = None
         self.last_verdict: Verdict | None = None
@@ -167,8 +195,13 @@ class ProviderPublisher:
         if failure_class is None and body is not None:
             expo = parse_exposition(body, WANTED_SAMPLES, self._series)
             summary.malformed_lines += expo.malformed_lines
-            pools = pool_names(expo)  # read once, for both
-            mismatch = kind_mismatch(expo, self.kind, pools=pools)
+            reads = self._layout_reads(expo)
+            if reads is None:
+                pools = pool_names(expo)  # read once, for both
+                mismatch = kind_mismatch(expo, self.kind, pools=pools)
+            else:
+                pools = reads.pools
+                mismatch = mismatch_of(self.kind, has_epp=bool(pools), has_vllm=reads.has_vllm)
             if expo.malformed_lines and not expo.samples:
                 # Nothing usable came out of a body that did not parse: a failed scrape.
                 failure_class, failure_detail = "parse", f"{expo.malformed_lines} malformed lines, no samples"
@@ -177,8 +210,11 @@ class ProviderPublisher:
                 # misconfiguration (or the wrong URL), not a reading of this provider.
                 failure_class, failure_detail = "wrong_kind", mismatch
             else:
-                derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind,
-                                 pools=pools)
+                if reads is not None and reads.epp is not None:
+                    derived = reads.epp.derive(expo, self.queue_full_at)
+                else:
+                    derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind,
+                                     pools=pools)
                 load = derived.load
                 self._note_invalid_fields(derived.invalid)
                 latency = self.latency.observe(now, expo)
@@ -216,6 +252,18 @@ class ProviderPublisher:
         self.sequence = revision.batch_sequence
         self.last_load, self.last_latency = load, latency
         return full
+
+    def _layout_reads(self, expo: Exposition) -> _LayoutReads | None:
+        """The label reads of ``expo``: kept while its layout, the pool and the kind stay the
+        same, read again when one changes; None for an exposition without a layout (read the
+        plain way)."""
+        if expo.layout is None:
+            return None
+        reads = self._reads
+        if (reads is None or reads.layout is not expo.layout or reads.pool != self.pool
+                or reads.kind != self.kind):
+            reads = self._reads = _LayoutReads(expo, pool=self.pool, kind=self.kind)
+        return reads
 
     def _unrevised_batch(self, now: float, wall_now: float, verdict: Verdict) -> tuple[Batch, int]:
         """The verdict and the probe metadata, in the next sequence number of the epoch, as
