@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgspec
-
 from gridd.core.batch import Batch
 from gridd.core.derivation import (
     WANTED_SAMPLES,
@@ -234,24 +232,24 @@ class ProviderPublisher:
         # version order every batch by (publisher_epoch, batch_sequence) instead, which a
         # restart under a clock set back cannot lower: every batch takes the next sequence
         # number, and the one without a revision carries it as its order.
-        batch, sequence = self._unrevised_batch(now, wall_now, verdict)
-        if load is None:
-            return batch
-        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence,
-                            sample_count(load))
-        full = msgspec.structs.replace(batch, revision=revision, order=None, complete=True, load=load,
-                                       latency=latency)
-        problem = validate_payload(full)
-        if problem is not None:
+        published_ms, sequence = self._stamp(wall_now)
+        if load is not None:
+            # The qualified batch is built whole (not as the unrevised one plus a replace):
+            # the same fields, revision and load instead of order.
+            revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence,
+                                sample_count(load))
+            full = self._batch(now, verdict, published_ms, revision=revision, load=load, latency=latency)
+            problem = validate_payload(full)
+            if problem is None:
+                self.sequence = revision.batch_sequence
+                self.last_load, self.last_latency = load, latency
+                return full
             # A backstop: derivation already left out every out-of-range load value, so
             # this is a payload no field-level rule covers. Publish the verdict alone, so
             # readiness still travels, and count it.
             self._count_unpublishable("payload")
             summary.last_failure_detail = f"unpublishable reading: {problem}"
-            return batch
-        self.sequence = revision.batch_sequence
-        self.last_load, self.last_latency = load, latency
-        return full
+        return self._batch(now, verdict, published_ms, order=BatchOrder(self.publisher_epoch, sequence))
 
     def _layout_reads(self, expo: Exposition) -> _LayoutReads | None:
         """The label reads of ``expo``: kept while its layout, the pool and the kind stay the
@@ -265,25 +263,33 @@ class ProviderPublisher:
             reads = self._reads = _LayoutReads(expo, pool=self.pool, kind=self.kind)
         return reads
 
-    def _unrevised_batch(self, now: float, wall_now: float, verdict: Verdict) -> tuple[Batch, int]:
-        """The verdict and the probe metadata, in the next sequence number of the epoch, as
-        ``order`` (the caller adds the revision and load of a qualified scrape)."""
+    def _stamp(self, wall_now: float) -> tuple[int, int]:
+        """The next batch's published_ms (never backwards: see on_scrape) and sequence."""
         published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
         self._last_published_ms = published_ms
-        sequence = self._next_sequence()
-        batch = Batch(
+        return published_ms, self._next_sequence()
+
+    def _batch(self, now: float, verdict: Verdict, published_ms: int, *, order: BatchOrder | None = None,
+               revision: Revision | None = None, load: LoadSignals | None = None,
+               latency: LatencyBlock | None = None) -> Batch:
+        """The verdict and the probe metadata, with ``order`` (a batch without revision
+        metadata), or with the revision, load and latency of a qualified scrape (complete)."""
+        return Batch(
             site=self.site,
             provider=self.provider,
             model=self.model,
             published_ms=published_ms,
             age_s=0.0,
+            revision=revision,
+            complete=revision is not None,
             ready=verdict.ready,
             ready_reason=verdict.reason,
+            load=load,
+            latency=latency,
             probes=dict(self.probes),
-            order=BatchOrder(self.publisher_epoch, sequence),
+            order=order,
             probe_age_s={key: round(max(0.0, now - self.probes_at.get(key, now)), 3) for key in self.probes},
         )
-        return batch, sequence
 
     def on_probe_only(self, *, now: float, wall_now: float, unavailable: bool) -> Batch:
         """One publication of a provider with no ``metrics`` block, every scrape interval
@@ -291,7 +297,8 @@ class ProviderPublisher:
         metadata. Without load it is never learned from; gateways route it as a candidate
         with no load signal, or rank it on its probe values under a strategy."""
         verdict = self.last_verdict = probe_only_verdict(unavailable=unavailable)
-        return self._unrevised_batch(now, wall_now, verdict)[0]
+        published_ms, sequence = self._stamp(wall_now)
+        return self._batch(now, verdict, published_ms, order=BatchOrder(self.publisher_epoch, sequence))
 
     def _count_unpublishable(self, reason: str) -> None:
         counts = self.summary.unpublishable
