@@ -132,9 +132,11 @@ def revalue(body: str, rng: random.Random, step: int, odd: int = 0) -> str:
     return "\n".join(lines)
 
 
-# The families the derivation reads by label (an edit there changes what its plan holds).
-DERIVED = re.compile(r"^(llm_d_epp_|inference_pool_|inference_extension_flow)[a-z_]*(queue_size|ready|"
-                     r"inflight_requests|average)")
+# The families the derivation and the latency window's sums read by label (an edit there
+# changes what their plans hold; an odd value there takes their plain fallbacks).
+DERIVED = re.compile(r"^(llm_d_epp_|inference_pool_|inference_extension_flow|inference_objective_)[a-z_]*"
+                     r"(queue_size|ready|inflight_requests|average|duration_seconds_count|error_total|"
+                     r"streaming_tpot_seconds_sum|streaming_tpot_seconds_count)")
 
 
 def edited(body: str, rng: random.Random, edit: str) -> str:
@@ -164,7 +166,8 @@ def edited(body: str, rng: random.Random, edit: str) -> str:
 
 
 def odd_values(body: str, rng: random.Random) -> str:
-    """A few of the derivation's values made NaN, negative, infinite, huge or 0-100 scale."""
+    """A few of the values the derivation and the latency sums read made NaN, negative,
+    infinite, huge or 0-100 scale."""
     lines = body.split("\n")
     derived = [i for i, line in enumerate(lines) if DERIVED.match(line)]
     for i in rng.sample(derived, min(len(derived), rng.randrange(1, 4))):

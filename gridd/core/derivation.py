@@ -64,6 +64,8 @@ _VLLM_WAITING = "vllm:num_requests_waiting"
 # vllm:gpu_cache_usage_perc is the pre-0.10 name of vllm:kv_cache_usage_perc.
 _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
+_INF = math.inf
+
 MAX_READY_ENDPOINTS = 1_000_000
 """Far above any pool; a larger exposed count is clamped here."""
 
@@ -497,22 +499,35 @@ class EppPlan:
 
     def derive(self, expo: Exposition, queue_full_at: float | None) -> Derivation:
         """_derive_epp's reading of ``expo`` (same layout as the plan's), as derive returns it."""
+        # checked.count(field, where, v) is v itself for a finite v >= 0 (0.0 <= v < inf), and
+        # checked.fraction(...) for one within 0..1: those skip the call (it records nothing).
         checked = _Checked()
-        ready_raw = checked.count("ready_endpoints", _READY[0], _value_at(expo, self.ready))
+        raw = _value_at(expo, self.ready)
+        ready_raw = (raw if raw is not None and 0.0 <= raw < _INF
+                     else checked.count("ready_endpoints", _READY[0], raw))
         ready = None if ready_raw is None else min(MAX_READY_ENDPOINTS, int(ready_raw))
         flow_queue = 0.0
         if self.flow_family is not None:
             rows = expo.series(self.flow_family)
             for index in self.flow_rows:
-                value = checked.count("flow_queue", self.flow_family, rows[index][1])
+                raw = rows[index][1]
+                value = raw if 0.0 <= raw < _INF else checked.count("flow_queue", self.flow_family, raw)
                 if value is not None:
                     flow_queue += value
         if ready == 0:
             return Derivation(LoadSignals(ready_endpoints=0, flow_queue=flow_queue), checked.invalid)
-        avg_running = checked.count("avg_running", _AVG_RUNNING[0], _value_at(expo, self.avg_running))
-        avg_waiting = checked.count("avg_waiting", _AVG_WAITING[0], _value_at(expo, self.avg_waiting))
-        kv_mean = checked.fraction("kv_mean", _AVG_KV[0], _value_at(expo, self.avg_kv))
-        kv_spread = checked.fraction("kv_spread", _STD_KV, _value_at(expo, self.std_kv))
+        raw = _value_at(expo, self.avg_running)
+        avg_running = (raw if raw is not None and 0.0 <= raw < _INF
+                       else checked.count("avg_running", _AVG_RUNNING[0], raw))
+        raw = _value_at(expo, self.avg_waiting)
+        avg_waiting = (raw if raw is not None and 0.0 <= raw < _INF
+                       else checked.count("avg_waiting", _AVG_WAITING[0], raw))
+        raw = _value_at(expo, self.avg_kv)
+        kv_mean = (raw if raw is not None and 0.0 <= raw <= 1.0
+                   else checked.fraction("kv_mean", _AVG_KV[0], raw))
+        raw = _value_at(expo, self.std_kv)
+        kv_spread = (raw if raw is not None and 0.0 <= raw <= 1.0
+                     else checked.fraction("kv_spread", _STD_KV, raw))
         if "kv_mean" in checked.invalid and kv_spread is not None:
             kv_spread = None
             checked.invalid.setdefault("kv_spread", "left out with kv_mean (the same endpoints' values)")
@@ -523,7 +538,8 @@ class EppPlan:
             for index, endpoint in picked:
                 raw = rows[index][1]
                 if math.isfinite(raw):
-                    waiting_by_endpoint.setdefault(endpoint, checked.count("waiting", family, raw))
+                    waiting_by_endpoint.setdefault(
+                        endpoint, raw if raw >= 0.0 else checked.count("waiting", family, raw))
             if waiting_by_endpoint:
                 break
         load = _epp_load(ready, flow_queue, avg_running, avg_waiting, kv_mean, kv_spread, inflight,
@@ -537,7 +553,7 @@ class EppPlan:
         rows = expo.series(_INFLIGHT)
         sums = [0.0] * len(rows)
         for slot, (_, raw) in zip(self.inflight_slots, rows, strict=True):
-            if not 0.0 <= raw < math.inf:
+            if not 0.0 <= raw < _INF:
                 return _inflight_per_endpoint(expo, checked)
             sums[slot] += raw
         return {endpoint: sums[slots[0]] if len(slots) == 1 else max(map(sums.__getitem__, slots))

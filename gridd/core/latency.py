@@ -266,11 +266,15 @@ def _ours(expo: Exposition, families: tuple[str, ...], models: Models, *,
 
 
 def _finite_sum(expo: Exposition, rows: _Rows) -> float:
-    """_total's sum over the rows _ours picked: their finite values, in row order."""
+    """_total's sum over the rows _ours picked: their finite values, in row order. A finite
+    sum of them all had no NaN or infinity to leave out, so it is that sum (the same values
+    added in the same order)."""
     if rows is None:
         return 0.0
     series = expo.series(rows[0])
-    return sum(v for v in (series[index][1] for index in rows[1]) if math.isfinite(v))
+    values = [series[index][1] for index in rows[1]]
+    total = sum(values)
+    return total if math.isfinite(total) else sum(v for v in values if math.isfinite(v))
 
 
 class LatencyPlan:
