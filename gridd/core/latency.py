@@ -180,10 +180,22 @@ def _summed_buckets(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[floa
     return bounds, counts
 
 
+# A bucket layout that _same_layout_sum sums: its bounds in order, and where each sits in the
+# runs' order (None: they list them in order already).
+_BucketLayout = tuple[tuple[float, ...], list[int] | None]
+
+
 def _same_layout_sum(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """_buckets' sums in C-level steps when every series counted is a BucketRun with the same
     le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
     Each bound's sum adds the same counts in the same order as the per-bucket loop."""
+    layout = _same_layout(counted)
+    return None if layout is None else _layout_sum(counted, layout)
+
+
+def _same_layout(counted: list[Entry]) -> _BucketLayout | None:
+    """The layout every series counted shares, when each is a BucketRun with the same le texts
+    and those are distinct numeric bounds; else None. Labels alone decide it."""
     first = counted[0]
     if not isinstance(first, BucketRun):
         return None
@@ -194,13 +206,24 @@ def _same_layout_sum(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[flo
         return None
     if any(map(math.isnan, bounds)) or len(set(bounds)) != len(bounds):
         return None
+    if not all(isinstance(run, BucketRun) and run.les == texts for run in counted):
+        return None
+    # The bounds are distinct: sorting them alone orders (bound, sum) pairs as sorting the pairs.
+    order = sorted(range(len(bounds)), key=bounds.__getitem__)
+    return tuple(map(bounds.__getitem__, order)), None if order == list(range(len(bounds))) else order
+
+
+def _layout_sum(counted: list[Entry], layout: _BucketLayout
+                ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The runs' counts summed bucket by bucket from 0.0, in run order, and put in bound order;
+    None when a count is NaN (the per-bucket loop leaves those out)."""
+    bounds, order = layout
     sums = [0.0] * len(bounds)
     for run in counted:
-        if not isinstance(run, BucketRun) or run.les != texts or any(map(math.isnan, run.values)):
+        if not isinstance(run, BucketRun) or any(map(math.isnan, run.values)):
             return None
         sums = list(map(operator.add, sums, run.values))
-    ordered, counts = zip(*sorted(zip(bounds, sums, strict=True)), strict=True)
-    return ordered, counts
+    return bounds, tuple(sums) if order is None else tuple(map(sums.__getitem__, order))
 
 
 def _add_bucket(per_le: dict[float, float], le_text: str, value: float) -> None:
@@ -285,7 +308,7 @@ class LatencyPlan:
     Exposition.layout): the same values, picked by position instead of by label, summed in
     the same order."""
 
-    __slots__ = ("successes", "failures", "tpot_sum", "tpot_count", "ttft")
+    __slots__ = ("successes", "failures", "tpot_sum", "tpot_count", "ttft", "ttft_layout")
 
     def __init__(self, expo: Exposition, models: Models) -> None:
         self.successes = _ours(expo, _EPP_SUCCESS, models)
@@ -298,7 +321,10 @@ class LatencyPlan:
                 self.tpot_sum = _ours(expo, (f"{name}_sum",), models) or (f"{name}_sum", [])
                 self.tpot_count = _ours(expo, (f"{name}_count",), models)
                 break
-        self.ttft = _counted_buckets(expo.entries(_EPP_TTFT_BUCKET), models, True)
+        entries = expo.entries(_EPP_TTFT_BUCKET)
+        self.ttft = _counted_buckets(entries, models, True)
+        # The bucket layout the counted runs share (their le texts: labels), if they do.
+        self.ttft_layout = _same_layout([entries[index] for index in self.ttft]) if self.ttft else None
 
     def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
         successes = _finite_sum(expo, self.successes)
@@ -308,7 +334,9 @@ class LatencyPlan:
         else:
             tpot_sum, tpot_count = _finite_sum(expo, self.tpot_sum), _finite_sum(expo, self.tpot_count)
         entries = expo.entries(_EPP_TTFT_BUCKET)
-        bounds, counts = _summed_buckets([entries[index] for index in self.ttft])
+        counted = [entries[index] for index in self.ttft]
+        summed = None if self.ttft_layout is None else _layout_sum(counted, self.ttft_layout)
+        bounds, counts = summed if summed is not None else _summed_buckets(counted)
         return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
                          failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                          tpot_sum=tpot_sum, tpot_count=tpot_count)
@@ -335,7 +363,7 @@ def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
     if prev.ttft_bounds and cur.ttft_bounds != prev.ttft_bounds:
         return True
     # prev may lack the TTFT buckets (no streaming request yet): compare what both have.
-    return (any(c < p for p, c in zip(prev.scalars(), cur.scalars(), strict=True))
+    return (any(map(operator.lt, cur.scalars(), prev.scalars()))  # both five values
             or any(map(operator.lt, cur.ttft_counts, prev.ttft_counts)))
 
 
