@@ -42,8 +42,8 @@ import operator
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 from gridd.core.exposition import BucketRun, Exposition
 from gridd.core.exposition_result import Entry
@@ -79,9 +79,9 @@ _VLLM_TPOT = ("vllm:request_time_per_output_token_seconds",
 Buckets = tuple[tuple[float, float], ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    """Cumulative counters of one scrape."""
+class _Snapshot(NamedTuple):
+    """Cumulative counters of one scrape (immutable; a NamedTuple is built at a third of a
+    frozen dataclass' cost, once per scrape)."""
 
     at: float
     source: str  # "epp" or "vllm"
