@@ -314,3 +314,9 @@ def test_buckets_listed_out_of_order_are_summed_in_bound_order(les: tuple[str, .
     assert plan is not None
     snapshot = plan.snapshot(0.0, expo)
     assert (snapshot.ttft_bounds, snapshot.ttft_counts) == expected
+    # The same layout with its runs written out as samples (a reader called series()): the
+    # plan's positions among runs no longer apply, and the plain read takes over.
+    again = parse_exposition(body, WANTED_SAMPLES, cache)
+    assert again.layout is expo.layout and len(again.series(_EPP_TTFT_BUCKET)) == 2 * len(les)
+    snapshot = plan.snapshot(1.0, again)
+    assert (snapshot.ttft_bounds, snapshot.ttft_counts) == expected

@@ -308,9 +308,11 @@ class LatencyPlan:
     Exposition.layout): the same values, picked by position instead of by label, summed in
     the same order."""
 
-    __slots__ = ("successes", "failures", "tpot_sum", "tpot_count", "ttft", "ttft_layout")
+    __slots__ = ("models", "successes", "failures", "tpot_sum", "tpot_count", "ttft_entries", "ttft",
+                 "ttft_layout")
 
     def __init__(self, expo: Exposition, models: Models) -> None:
+        self.models = models
         self.successes = _ours(expo, _EPP_SUCCESS, models)
         self.failures = _ours(expo, _EPP_ERRORS, models, skip_empty_model=True)
         # _sum_count: the first histogram with count rows gives both sums.
@@ -322,6 +324,9 @@ class LatencyPlan:
                 self.tpot_count = _ours(expo, (f"{name}_count",), models)
                 break
         entries = expo.entries(_EPP_TTFT_BUCKET)
+        # Positions among the entries as the parse left them (runs, not yet written out as
+        # samples by a series() call: the count tells).
+        self.ttft_entries = len(entries)
         self.ttft = _counted_buckets(entries, models, True)
         # The bucket layout the counted runs share (their le texts: labels), if they do.
         self.ttft_layout = _same_layout([entries[index] for index in self.ttft]) if self.ttft else None
@@ -334,9 +339,12 @@ class LatencyPlan:
         else:
             tpot_sum, tpot_count = _finite_sum(expo, self.tpot_sum), _finite_sum(expo, self.tpot_count)
         entries = expo.entries(_EPP_TTFT_BUCKET)
-        counted = [entries[index] for index in self.ttft]
-        summed = None if self.ttft_layout is None else _layout_sum(counted, self.ttft_layout)
-        bounds, counts = summed if summed is not None else _summed_buckets(counted)
+        if len(entries) != self.ttft_entries:
+            bounds, counts = _buckets(expo, _EPP_TTFT_BUCKET, self.models, streaming_only=True)
+        else:
+            counted = [entries[index] for index in self.ttft]
+            summed = None if self.ttft_layout is None else _layout_sum(counted, self.ttft_layout)
+            bounds, counts = summed if summed is not None else _summed_buckets(counted)
         return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
                          failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                          tpot_sum=tpot_sum, tpot_count=tpot_count)
@@ -469,6 +477,7 @@ class LatencyWindow:
     def observe(self, now: float, expo: Exposition) -> LatencyBlock | None:
         layout = expo.layout
         if layout is None:
+            self._plan_layout = self._plan = None  # nor keep an old layout alive
             snap = _snapshot(now, expo, kind=self.kind, models=self.models)
         else:
             # What _snapshot reads by label is kept while the exposition's layout comes back

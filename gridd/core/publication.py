@@ -256,6 +256,7 @@ class ProviderPublisher:
         same, read again when one changes; None for an exposition without a layout (read the
         plain way)."""
         if expo.layout is None:
+            self._reads = None  # nor keep an old layout (a body's worth of line prefixes) alive
             return None
         reads = self._reads
         if (reads is None or reads.layout is not expo.layout or reads.pool != self.pool
