@@ -11,6 +11,10 @@ a LoadSignals. It detects the source:
   LoadSignals, so readiness stays unknown and no load is published.
 
 docs/signals.md has every rule with the sample arithmetic. Pure: no IO, no clock.
+
+EppPlan is the EPP derivation with its label reads done once per Exposition.layout (which
+rows are the pool's, which endpoint and producer each in-flight row is): the operator's
+publisher keeps it while the layout comes back and feeds it each scrape's values.
 """
 
 from __future__ import annotations
@@ -562,8 +566,8 @@ class EppPlan:
 
 def epp_plan(expo: Exposition, *, pool: str | None, kind: str, pools: tuple[str, ...]) -> EppPlan | None:
     """The EppPlan derive(expo, pool=pool, kind=kind, pools=pools) reads through, or None
-    when that derivation is not an EPP pool's (vLLM, no pool, an ambiguous or absent pool:
-    the plain derive decides those from the names alone, cheaply)."""
+    when that derivation is not an EPP pool's (vLLM, no pool, an ambiguous or absent pool):
+    those take the plain derive."""
     if kind == "vllm" or not pools:
         return None
     if pool is None:

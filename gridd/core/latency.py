@@ -33,6 +33,10 @@ Sources (docs/signals.md, "Latency"):
   else vllm:inter_token_latency_seconds, else vllm:time_per_output_token_seconds.
 
 Pure: ``now`` is a monotonic float of seconds passed in by the caller.
+
+A window keeps, per Exposition.layout, what its snapshot reads by label (LatencyPlan: each
+sum's family and own rows, the counted TTFT runs and their bucket layout), so a scrape of a
+repeated layout only adds values.
 """
 
 from __future__ import annotations
