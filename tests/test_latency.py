@@ -289,3 +289,34 @@ def test_constructor_rejects_bad_knobs():
         LatencyWindow(window_s=0)
     with pytest.raises(ValueError):
         LatencyWindow(min_completed=0)
+
+
+@pytest.mark.parametrize("les", [("0.4", "0.1", "+Inf", "0.2"), ("+Inf", "0.4", "0.2", "0.1"), LES])
+def test_buckets_listed_out_of_order_are_summed_in_bound_order(les: tuple[str, ...]):
+    """A histogram whose le lines come in any order (here both streaming flows alike) sums
+    per bound, in bound order: read by label, and through the kept plan of a layout."""
+    from gridd.core.exposition import SeriesCache
+    from gridd.core.latency import _EPP_TTFT_BUCKET, _buckets, latency_plan
+
+    counts = {"0.1": 1, "0.2": 3, "0.4": 6, "+Inf": 10}
+    lines = [f'llm_d_epp_request_ttft_seconds_bucket{{fairness_id="{flow}",{M},priority="0",'
+             f'streaming="true",le="{le}"}} {counts[le] * scale}'
+             for flow, scale in (("a", 1), ("b", 2)) for le in les]
+    body = ("\n".join(lines) + "\n").encode()
+    cache = SeriesCache()
+    for _ in range(2):  # the series kept, then the shape of the body
+        parse_exposition(body, WANTED_SAMPLES, cache)
+    expo = parse_exposition(body, WANTED_SAMPLES, cache)
+    assert expo.layout is not None  # the repeated body is read through its layout
+    expected = ((0.1, 0.2, 0.4, math.inf), (3.0, 9.0, 18.0, 30.0))
+    assert _buckets(expo, _EPP_TTFT_BUCKET, frozenset({"m"}), streaming_only=True) == expected
+    plan = latency_plan(expo, kind="epp", models=frozenset({"m"}))
+    assert plan is not None
+    snapshot = plan.snapshot(0.0, expo)
+    assert (snapshot.ttft_bounds, snapshot.ttft_counts) == expected
+    # The same layout with its runs written out as samples (a reader called series()): the
+    # plan's positions among runs no longer apply, and the plain read takes over.
+    again = parse_exposition(body, WANTED_SAMPLES, cache)
+    assert again.layout is expo.layout and len(again.series(_EPP_TTFT_BUCKET)) == 2 * len(les)
+    snapshot = plan.snapshot(1.0, again)
+    assert (snapshot.ttft_bounds, snapshot.ttft_counts) == expected

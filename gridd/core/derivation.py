@@ -11,6 +11,10 @@ a LoadSignals. It detects the source:
   LoadSignals, so readiness stays unknown and no load is published.
 
 docs/signals.md has every rule with the sample arithmetic. Pure: no IO, no clock.
+
+EppPlan is the EPP derivation with its label reads done once per Exposition.layout (which
+rows are the pool's, which endpoint and producer each in-flight row is): the operator's
+publisher keeps it while the layout comes back and feeds it each scrape's values.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ __all__ = [
     "WANTED_SAMPLES",
     "LOAD_SAMPLES",
     "Derivation",
+    "EppPlan",
     "derive",
     "derive_load",
+    "epp_plan",
+    "has_vllm_series",
     "kind_mismatch",
+    "mismatch_of",
     "pool_names",
 ]
 
@@ -59,6 +67,8 @@ _VLLM_RUNNING = "vllm:num_requests_running"
 _VLLM_WAITING = "vllm:num_requests_waiting"
 # vllm:gpu_cache_usage_perc is the pre-0.10 name of vllm:kv_cache_usage_perc.
 _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+_INF = math.inf
 
 MAX_READY_ENDPOINTS = 1_000_000
 """Far above any pool; a larger exposed count is clamped here."""
@@ -113,8 +123,13 @@ def kind_mismatch(expo: Exposition, kind: str, *, pools: tuple[str, ...] | None 
     replica) fits any kind: it derives nothing, and readiness stays unknown. "auto"
     accepts everything. pools: pool_names(expo), when the caller has it already.
     """
-    has_epp = bool(pool_names(expo) if pools is None else pools)
-    has_vllm = _has_vllm_series(expo)
+    return mismatch_of(kind, has_epp=bool(pool_names(expo) if pools is None else pools),
+                     has_vllm=has_vllm_series(expo))
+
+
+def mismatch_of(kind: str, *, has_epp: bool, has_vllm: bool) -> str | None:
+    """kind_mismatch from what it reads (pool_names non-empty, has_vllm_series), which only
+    names decide: a caller keeping them per layout asks here."""
     if kind == "epp" and not has_epp and has_vllm:
         return "metrics.kind is epp but the body is a vLLM engine's (vllm:* series, no EPP pool series)"
     if kind == "vllm" and not has_vllm and has_epp:
@@ -194,7 +209,7 @@ def derive_load(expo: Exposition, *, pool: str | None = None,
 def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kind: str,
             checked: _Checked, pools: tuple[str, ...] | None) -> LoadSignals:
     if kind == "vllm":
-        return _derive_vllm(expo, queue_full_at, checked) if _has_vllm_series(expo) else LoadSignals()
+        return _derive_vllm(expo, queue_full_at, checked) if has_vllm_series(expo) else LoadSignals()
     if pools is None:
         pools = pool_names(expo)
     if pools:
@@ -206,12 +221,12 @@ def _derive(expo: Exposition, pool: str | None, queue_full_at: float | None, kin
             return LoadSignals()
         return _derive_epp(expo, pool, multi_pool=len(pools) > 1, queue_full_at=queue_full_at,
                            checked=checked)
-    if kind == "auto" and _has_vllm_series(expo):
+    if kind == "auto" and has_vllm_series(expo):
         return _derive_vllm(expo, queue_full_at, checked)
     return LoadSignals()
 
 
-def _has_vllm_series(expo: Exposition) -> bool:
+def has_vllm_series(expo: Exposition) -> bool:
     """Whether the exposition carries any vLLM engine load series."""
     return any(expo.entries(name) for name in (_VLLM_RUNNING, _VLLM_WAITING, *_VLLM_KV))
 
@@ -299,9 +314,6 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
     # "The per-endpoint count carries no pool label, so an EPP serving several pools falls
     # back to the averages alone."
     inflight = {} if multi_pool else _inflight_per_endpoint(expo, checked)
-    inflight_by_name: dict[str, float] = {}
-    for (_, name), count in inflight.items():
-        inflight_by_name[name] = inflight_by_name.get(name, 0.0) + count
 
     waiting_by_endpoint: dict[str, float | None] = {}
     for family, endpoint_label in _PER_ENDPOINT:
@@ -312,6 +324,17 @@ def _derive_epp(expo: Exposition, pool: str, *, multi_pool: bool,
                                                checked.count("waiting", family, raw))
         if waiting_by_endpoint:
             break
+    return _epp_load(ready, flow_queue, avg_running, avg_waiting, kv_mean, kv_spread, inflight,
+                     waiting_by_endpoint, queue_full_at)
+
+
+def _epp_load(ready: int | None, flow_queue: float, avg_running: float | None, avg_waiting: float | None,
+              kv_mean: float | None, kv_spread: float | None, inflight: dict[tuple[str, str], float],
+              waiting_by_endpoint: dict[str, float | None], queue_full_at: float | None) -> LoadSignals:
+    """An EPP pool's load from the values _derive_epp (or an EppPlan) read for it."""
+    inflight_by_name: dict[str, float] = {}
+    for (_, name), count in inflight.items():
+        inflight_by_name[name] = inflight_by_name.get(name, 0.0) + count
     # The EPP exposes no per-endpoint running count or KV usage: running and kv_usage stay
     # None (docs/signals.md explains why running is not inferred from in-flight - waiting).
     units = tuple(
@@ -412,3 +435,145 @@ def _derive_vllm(expo: Exposition, queue_full_at: float | None, checked: _Checke
         in_flight=in_flight,
         queue_full_units=_queue_full(units, queue_full_at),
     )
+
+
+# --- the same derivation, its label reads kept per layout ------------------------------------
+
+# Where a pool gauge's value is: (family, index in expo.series(family)), None when absent.
+_Position = tuple[str, int] | None
+
+
+def _position(expo: Exposition, families: Iterable[str], pool: str) -> _Position:
+    """Where _first_for_pool finds its value."""
+    for family in families:
+        for index, (labels, _) in enumerate(expo.series(family)):
+            if labels.get("name") == pool:
+                return family, index
+    return None
+
+
+def _value_at(expo: Exposition, position: _Position) -> float | None:
+    return None if position is None else expo.series(position[0])[position[1]][1]
+
+
+class EppPlan:
+    """What the derivation of one EPP pool reads from an exposition's names and labels alone:
+    where each of the pool's gauges is, which flow-control rows count, which in-flight rows
+    add up to which endpoint and producer, which per-endpoint rows name which endpoint.
+
+    Built by epp_plan from one exposition, ``derive(expo)`` gives derive(...)'s Derivation
+    for any exposition with the same names and labels in the same order (the same
+    Exposition.layout): every read below picks, by position, the rows the plain path picks
+    by label, and feeds their values to the same checks in the same order."""
+
+    __slots__ = ("multi_pool", "ready", "avg_running", "avg_waiting", "avg_kv", "std_kv", "flow_family",
+                 "flow_rows", "inflight_slots", "inflight_endpoints", "waiting")
+
+    def __init__(self, expo: Exposition, pool: str, *, multi_pool: bool) -> None:
+        self.multi_pool = multi_pool
+        self.ready = _position(expo, _READY, pool)
+        self.avg_running = _position(expo, _AVG_RUNNING, pool)
+        self.avg_waiting = _position(expo, _AVG_WAITING, pool)
+        self.avg_kv = _position(expo, _AVG_KV, pool)
+        self.std_kv = _position(expo, (_STD_KV,), pool)
+        self.flow_family = next((f for f in _FLOW_QUEUE if expo.entries(f)), None)
+        self.flow_rows: tuple[int, ...] = ()
+        if self.flow_family is not None:
+            self.flow_rows = tuple(
+                index for index, (labels, _) in enumerate(expo.series(self.flow_family))
+                if not (multi_pool and labels.get("inference_pool") != pool))
+        # In-flight: each row's (endpoint, producer) slot, and each endpoint's slots, both in
+        # order of first appearance (the plain path's dict orders).
+        slots: dict[tuple[str, str, str], int] = {}
+        endpoints: dict[tuple[str, str], list[int]] = {}
+        self.inflight_slots: list[int] = []
+        for labels, _ in expo.series(_INFLIGHT) if not multi_pool else ():
+            endpoint = (labels.get("namespace", ""), labels.get("endpoint_name", ""))
+            key = (*endpoint, labels.get("producer_name", ""))
+            if key not in slots:
+                slots[key] = len(slots)
+                endpoints.setdefault(endpoint, []).append(slots[key])
+            self.inflight_slots.append(slots[key])
+        self.inflight_endpoints = list(endpoints.items())
+        # Per-endpoint queue: per family, the pool's rows and the endpoint each names.
+        self.waiting = [
+            (family, [(index, labels.get(endpoint_label, ""))
+                      for index, (labels, _) in enumerate(expo.series(family)) if labels.get("name") == pool])
+            for family, endpoint_label in _PER_ENDPOINT]
+
+    def derive(self, expo: Exposition, queue_full_at: float | None) -> Derivation:
+        """_derive_epp's reading of ``expo`` (same layout as the plan's), as derive returns it."""
+        # checked.count(field, where, v) is v itself for a finite v >= 0 (0.0 <= v < inf), and
+        # checked.fraction(...) for one within 0..1: those skip the call (it records nothing).
+        checked = _Checked()
+        raw = _value_at(expo, self.ready)
+        ready_raw = (raw if raw is not None and 0.0 <= raw < _INF
+                     else checked.count("ready_endpoints", _READY[0], raw))
+        ready = None if ready_raw is None else min(MAX_READY_ENDPOINTS, int(ready_raw))
+        flow_queue = 0.0
+        if self.flow_family is not None:
+            rows = expo.series(self.flow_family)
+            for index in self.flow_rows:
+                raw = rows[index][1]
+                value = raw if 0.0 <= raw < _INF else checked.count("flow_queue", self.flow_family, raw)
+                if value is not None:
+                    flow_queue += value
+        if ready == 0:
+            return Derivation(LoadSignals(ready_endpoints=0, flow_queue=flow_queue), checked.invalid)
+        raw = _value_at(expo, self.avg_running)
+        avg_running = (raw if raw is not None and 0.0 <= raw < _INF
+                       else checked.count("avg_running", _AVG_RUNNING[0], raw))
+        raw = _value_at(expo, self.avg_waiting)
+        avg_waiting = (raw if raw is not None and 0.0 <= raw < _INF
+                       else checked.count("avg_waiting", _AVG_WAITING[0], raw))
+        raw = _value_at(expo, self.avg_kv)
+        kv_mean = (raw if raw is not None and 0.0 <= raw <= 1.0
+                   else checked.fraction("kv_mean", _AVG_KV[0], raw))
+        raw = _value_at(expo, self.std_kv)
+        kv_spread = (raw if raw is not None and 0.0 <= raw <= 1.0
+                     else checked.fraction("kv_spread", _STD_KV, raw))
+        if "kv_mean" in checked.invalid and kv_spread is not None:
+            kv_spread = None
+            checked.invalid.setdefault("kv_spread", "left out with kv_mean (the same endpoints' values)")
+        inflight = {} if self.multi_pool else self._inflight(expo, checked)
+        waiting_by_endpoint: dict[str, float | None] = {}
+        for family, picked in self.waiting:
+            rows = expo.series(family)
+            for index, endpoint in picked:
+                raw = rows[index][1]
+                if math.isfinite(raw):
+                    waiting_by_endpoint.setdefault(
+                        endpoint, raw if raw >= 0.0 else checked.count("waiting", family, raw))
+            if waiting_by_endpoint:
+                break
+        load = _epp_load(ready, flow_queue, avg_running, avg_waiting, kv_mean, kv_spread, inflight,
+                         waiting_by_endpoint, queue_full_at)
+        return Derivation(load, checked.invalid)
+
+    def _inflight(self, expo: Exposition, checked: _Checked) -> dict[tuple[str, str], float]:
+        """_inflight_per_endpoint. When every count is a finite number of at least 0 (else the
+        plain function decides), every slot gets its first count added to 0.0 and the rest in
+        row order, and every endpoint appears in order of its first row, as there."""
+        rows = expo.series(_INFLIGHT)
+        sums = [0.0] * len(rows)
+        for slot, (_, raw) in zip(self.inflight_slots, rows, strict=True):
+            if not 0.0 <= raw < _INF:
+                return _inflight_per_endpoint(expo, checked)
+            sums[slot] += raw
+        return {endpoint: sums[slots[0]] if len(slots) == 1 else max(map(sums.__getitem__, slots))
+                for endpoint, slots in self.inflight_endpoints}
+
+
+def epp_plan(expo: Exposition, *, pool: str | None, kind: str, pools: tuple[str, ...]) -> EppPlan | None:
+    """The EppPlan derive(expo, pool=pool, kind=kind, pools=pools) reads through, or None
+    when that derivation is not an EPP pool's (vLLM, no pool, an ambiguous or absent pool):
+    those take the plain derive."""
+    if kind == "vllm" or not pools:
+        return None
+    if pool is None:
+        if len(pools) != 1:
+            return None
+        pool = pools[0]
+    if pool not in pools:
+        return None
+    return EppPlan(expo, pool, multi_pool=len(pools) > 1)

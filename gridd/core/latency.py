@@ -33,6 +33,10 @@ Sources (docs/signals.md, "Latency"):
   else vllm:inter_token_latency_seconds, else vllm:time_per_output_token_seconds.
 
 Pure: ``now`` is a monotonic float of seconds passed in by the caller.
+
+A window keeps, per Exposition.layout, what its snapshot reads by label (LatencyPlan: each
+sum's family and own rows, the counted TTFT runs and their bucket layout), so a scrape of a
+repeated layout only adds values.
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ import operator
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 from gridd.core.exposition import BucketRun, Exposition
+from gridd.core.exposition_result import Entry
 from gridd.core.readings import LatencyBlock
 
 __all__ = [
@@ -78,9 +83,9 @@ _VLLM_TPOT = ("vllm:request_time_per_output_token_seconds",
 Buckets = tuple[tuple[float, float], ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    """Cumulative counters of one scrape."""
+class _Snapshot(NamedTuple):
+    """Cumulative counters of one scrape (immutable; a NamedTuple is built at a third of a
+    frozen dataclass' cost, once per scrape)."""
 
     at: float
     source: str  # "epp" or "vllm"
@@ -136,8 +141,14 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     Summing cumulative counts of several series bucket by bucket yields the cumulative
     histogram of their union (all EPP flows share one bucket layout).
     """
-    counted: list[BucketRun | tuple[dict[str, str], float]] = []
-    for entry in expo.entries(family):
+    entries = expo.entries(family)
+    return _summed_buckets([entries[i] for i in _counted_buckets(entries, models, streaming_only)])
+
+
+def _counted_buckets(entries: list[Entry], models: Models, streaming_only: bool) -> list[int]:
+    """Which of a bucket family's entries _buckets counts (by their labels alone)."""
+    counted: list[int] = []
+    for index, entry in enumerate(entries):
         labels = entry.labels if isinstance(entry, BucketRun) else entry[0]
         if streaming_only and labels.get("streaming") != "true":
             continue
@@ -145,7 +156,12 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
             model = labels.get("model_name")
             if model is not None and model not in models:
                 continue
-        counted.append(entry)
+        counted.append(index)
+    return counted
+
+
+def _summed_buckets(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """_buckets' sums of the entries it counts."""
     if not counted:
         return (), ()
     summed = _same_layout_sum(counted)
@@ -168,11 +184,22 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     return bounds, counts
 
 
-def _same_layout_sum(counted: list[BucketRun | tuple[dict[str, str], float]]
-                     ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+# A bucket layout that _same_layout_sum sums: its bounds in order, and where each sits in the
+# runs' order (None: they list them in order already).
+_BucketLayout = tuple[tuple[float, ...], list[int] | None]
+
+
+def _same_layout_sum(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """_buckets' sums in C-level steps when every series counted is a BucketRun with the same
     le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
     Each bound's sum adds the same counts in the same order as the per-bucket loop."""
+    layout = _same_layout(counted)
+    return None if layout is None else _layout_sum(counted, layout)
+
+
+def _same_layout(counted: list[Entry]) -> _BucketLayout | None:
+    """The layout every series counted shares, when each is a BucketRun with the same le texts
+    and those are distinct numeric bounds; else None. Labels alone decide it."""
     first = counted[0]
     if not isinstance(first, BucketRun):
         return None
@@ -183,13 +210,24 @@ def _same_layout_sum(counted: list[BucketRun | tuple[dict[str, str], float]]
         return None
     if any(map(math.isnan, bounds)) or len(set(bounds)) != len(bounds):
         return None
+    if not all(isinstance(run, BucketRun) and run.les == texts for run in counted):
+        return None
+    # The bounds are distinct: sorting them alone orders (bound, sum) pairs as sorting the pairs.
+    order = sorted(range(len(bounds)), key=bounds.__getitem__)
+    return tuple(map(bounds.__getitem__, order)), None if order == list(range(len(bounds))) else order
+
+
+def _layout_sum(counted: list[Entry], layout: _BucketLayout
+                ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The runs' counts summed bucket by bucket from 0.0, in run order, and put in bound order;
+    None when a count is NaN (the per-bucket loop leaves those out)."""
+    bounds, order = layout
     sums = [0.0] * len(bounds)
     for run in counted:
-        if not isinstance(run, BucketRun) or run.les != texts or any(map(math.isnan, run.values)):
+        if not isinstance(run, BucketRun) or any(map(math.isnan, run.values)):
             return None
         sums = list(map(operator.add, sums, run.values))
-    ordered, counts = zip(*sorted(zip(bounds, sums, strict=True)), strict=True)
-    return ordered, counts
+    return bounds, tuple(sums) if order is None else tuple(map(sums.__getitem__, order))
 
 
 def _add_bucket(per_le: dict[float, float], le_text: str, value: float) -> None:
@@ -216,7 +254,7 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
     body has any vllm:* series. models: applies to the EPP's rows only (an engine serves
     one model, labelled with its first --served-model-name, which need not be the
     provider's name)."""
-    if kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names())):
+    if _is_vllm_source(expo, kind):
         successes = completed = 0.0
         for labels, value in expo.series(_VLLM_SUCCESS):
             if not math.isfinite(value):
@@ -238,6 +276,94 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
                      tpot_sum=tpot_sum, tpot_count=tpot_count)
 
 
+# Which rows of a family a sum reads: (family, their indices in expo.series(family)), or None
+# when no family of the list has rows (the sum is 0.0).
+_Rows = tuple[str, list[int]] | None
+
+
+def _ours(expo: Exposition, families: tuple[str, ...], models: Models, *,
+          skip_empty_model: bool = False) -> _Rows:
+    """The rows _total sums, by their labels: the first family with rows, its rows of ours."""
+    for family in families:
+        rows = expo.series(family)
+        if rows:
+            return family, [index for index, (labels, _) in enumerate(rows) if _is_ours(labels, models)
+                            and not (skip_empty_model and labels.get("model_name") == "")]
+    return None
+
+
+def _finite_sum(expo: Exposition, rows: _Rows) -> float:
+    """_total's sum over the rows _ours picked: their finite values, in row order. A finite
+    sum of them all had no NaN or infinity to leave out, so it is that sum (the same values
+    added in the same order)."""
+    if rows is None:
+        return 0.0
+    series = expo.series(rows[0])
+    values = [series[index][1] for index in rows[1]]
+    total = sum(values)
+    return total if math.isfinite(total) else sum(v for v in values if math.isfinite(v))
+
+
+class LatencyPlan:
+    """What _snapshot reads from an EPP exposition's names and labels alone: which family each
+    sum reads and which of its rows are the provider's (_is_ours), and which TTFT bucket
+    entries count. Built by latency_plan from one exposition, ``snapshot`` gives _snapshot's
+    result for any exposition with the same names and labels in the same order (the same
+    Exposition.layout): the same values, picked by position instead of by label, summed in
+    the same order."""
+
+    __slots__ = ("models", "successes", "failures", "tpot_sum", "tpot_count", "ttft_entries", "ttft",
+                 "ttft_layout")
+
+    def __init__(self, expo: Exposition, models: Models) -> None:
+        self.models = models
+        self.successes = _ours(expo, _EPP_SUCCESS, models)
+        self.failures = _ours(expo, _EPP_ERRORS, models, skip_empty_model=True)
+        # _sum_count: the first histogram with count rows gives both sums.
+        self.tpot_sum: _Rows = None
+        self.tpot_count: _Rows = None
+        for name in _EPP_TPOT:
+            if expo.series(f"{name}_count"):
+                self.tpot_sum = _ours(expo, (f"{name}_sum",), models) or (f"{name}_sum", [])
+                self.tpot_count = _ours(expo, (f"{name}_count",), models)
+                break
+        entries = expo.entries(_EPP_TTFT_BUCKET)
+        # Positions among the entries as the parse left them (runs, not yet written out as
+        # samples by a series() call: the count tells).
+        self.ttft_entries = len(entries)
+        self.ttft = _counted_buckets(entries, models, True)
+        # The bucket layout the counted runs share (their le texts: labels), if they do.
+        self.ttft_layout = _same_layout([entries[index] for index in self.ttft]) if self.ttft else None
+
+    def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
+        successes = _finite_sum(expo, self.successes)
+        failures = _finite_sum(expo, self.failures)
+        if self.tpot_count is None:
+            tpot_sum, tpot_count = 0.0, 0.0
+        else:
+            tpot_sum, tpot_count = _finite_sum(expo, self.tpot_sum), _finite_sum(expo, self.tpot_count)
+        entries = expo.entries(_EPP_TTFT_BUCKET)
+        if len(entries) != self.ttft_entries:
+            bounds, counts = _buckets(expo, _EPP_TTFT_BUCKET, self.models, streaming_only=True)
+        else:
+            counted = [entries[index] for index in self.ttft]
+            summed = None if self.ttft_layout is None else _layout_sum(counted, self.ttft_layout)
+            bounds, counts = summed if summed is not None else _summed_buckets(counted)
+        return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
+                         failures=failures, ttft_bounds=bounds, ttft_counts=counts,
+                         tpot_sum=tpot_sum, tpot_count=tpot_count)
+
+
+def _is_vllm_source(expo: Exposition, kind: str) -> bool:
+    return kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names()))
+
+
+def latency_plan(expo: Exposition, *, kind: str, models: Models) -> LatencyPlan | None:
+    """The LatencyPlan _snapshot(expo, kind=kind, models=models) reads through, or None for a
+    vLLM source (its snapshot is read the plain way)."""
+    return None if _is_vllm_source(expo, kind) else LatencyPlan(expo, models)
+
+
 def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
     """A restart: the source changed, a bucket layout changed, or a counter went down.
 
@@ -249,7 +375,7 @@ def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
     if prev.ttft_bounds and cur.ttft_bounds != prev.ttft_bounds:
         return True
     # prev may lack the TTFT buckets (no streaming request yet): compare what both have.
-    return (any(c < p for p, c in zip(prev.scalars(), cur.scalars(), strict=True))
+    return (any(map(operator.lt, cur.scalars(), prev.scalars()))  # both five values
             or any(map(operator.lt, cur.ttft_counts, prev.ttft_counts)))
 
 
@@ -303,7 +429,7 @@ class LatencyWindow:
     """
 
     __slots__ = ("window_s", "min_completed", "kind", "models", "_snapshots", "_last_answer_at",
-                 "_answered_on_last_observe", "resets")
+                 "_answered_on_last_observe", "resets", "_plan_layout", "_plan")
 
     def __init__(self, window_s: float = DEFAULT_LATENCY_WINDOW_S,
                  min_completed: int = DEFAULT_MIN_COMPLETED, *, kind: str = "auto",
@@ -324,6 +450,10 @@ class LatencyWindow:
         self._answered_on_last_observe = False
         # Counter resets seen (EPP or vLLM restarts), for a metric.
         self.resets = 0
+        # The layout of the latest exposition read (Exposition.layout) and what _snapshot
+        # reads of it by label (None: a vLLM source, read the plain way).
+        self._plan_layout: object | None = None
+        self._plan: LatencyPlan | None = None
 
     @property
     def last_answer_at(self) -> float | None:
@@ -349,7 +479,19 @@ class LatencyWindow:
         return self._last_answer_at is not None and now - self._last_answer_at <= within_s
 
     def observe(self, now: float, expo: Exposition) -> LatencyBlock | None:
-        snap = _snapshot(now, expo, kind=self.kind, models=self.models)
+        layout = expo.layout
+        if layout is None:
+            self._plan_layout = self._plan = None  # nor keep an old layout alive
+            snap = _snapshot(now, expo, kind=self.kind, models=self.models)
+        else:
+            # What _snapshot reads by label is kept while the exposition's layout comes back
+            # (same names and labels in the same order: LatencyPlan reads the same rows).
+            if layout is not self._plan_layout:
+                self._plan = latency_plan(expo, kind=self.kind, models=self.models)
+                self._plan_layout = layout
+            plan = self._plan
+            snap = (_snapshot(now, expo, kind=self.kind, models=self.models) if plan is None
+                    else plan.snapshot(now, expo))
         self._answered_on_last_observe = False
         if self._snapshots:
             prev = self._snapshots[-1]

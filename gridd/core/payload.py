@@ -16,12 +16,21 @@ from gridd.core.readings import LatencyBlock, LoadSignals, legacy_sample_count, 
 __all__ = ["validate_payload"]
 
 
+# A count is absent (None) or finite and >= 0; a fraction absent or within 0..1. Written as one
+# chained comparison, `0.0 <= value < inf`, which NaN and both infinities fail as isfinite does.
+_INF = math.inf
+
+
 def _bad_count(value: float | None) -> bool:
-    return value is not None and not (math.isfinite(value) and value >= 0)
+    return value is not None and not 0.0 <= value < _INF
 
 
 def _bad_fraction(value: float | None) -> bool:
-    return value is not None and not (math.isfinite(value) and 0.0 <= value <= 1.0)
+    return value is not None and not 0.0 <= value <= 1.0
+
+
+_LOAD_COUNTS = ("avg_running", "avg_waiting", "kv_spread", "flow_queue", "in_flight")
+_LATENCY_COUNTS = ("ttft_p50_s", "ttft_p90_s", "tpot_s")
 
 
 def _load_problem(load: LoadSignals) -> str | None:
@@ -29,22 +38,27 @@ def _load_problem(load: LoadSignals) -> str | None:
         return f"load.ready_endpoints={load.ready_endpoints} is negative"
     if load.queue_full_units < 0:
         return f"load.queue_full_units={load.queue_full_units} is negative"
-    for name in ("avg_running", "avg_waiting", "kv_spread", "flow_queue", "in_flight"):
-        if _bad_count(getattr(load, name)):
-            return f"load.{name}={getattr(load, name)!r} is not a finite non-negative number"
+    counts = (load.avg_running, load.avg_waiting, load.kv_spread, load.flow_queue, load.in_flight)
+    for name, value in zip(_LOAD_COUNTS, counts, strict=True):
+        if value is not None and not 0.0 <= value < _INF:  # _bad_count
+            return f"load.{name}={value!r} is not a finite non-negative number"
     if _bad_fraction(load.kv_mean):
         return f"load.kv_mean={load.kv_mean!r} is outside 0..1"
     seen: set[str] = set()
     for i, unit in enumerate(load.units):
-        if not unit.unit:
+        name = unit.unit
+        if not name:
             return f"load.units[{i}] has an empty name"
-        if unit.unit in seen:
-            return f"load.units[{i}] repeats unit {unit.unit!r}"
-        seen.add(unit.unit)
-        if _bad_count(unit.running) or _bad_count(unit.waiting) or _bad_count(unit.in_flight):
+        if name in seen:
+            return f"load.units[{i}] repeats unit {name!r}"
+        seen.add(name)
+        running, waiting, in_flight, kv_usage = unit.running, unit.waiting, unit.in_flight, unit.kv_usage
+        if ((running is not None and not 0.0 <= running < _INF)  # _bad_count of each
+                or (waiting is not None and not 0.0 <= waiting < _INF)
+                or (in_flight is not None and not 0.0 <= in_flight < _INF)):
             return f"load.units[{i}] running/waiting/in_flight is not a finite non-negative number"
-        if _bad_fraction(unit.kv_usage):
-            return f"load.units[{i}].kv_usage={unit.kv_usage!r} is outside 0..1"
+        if kv_usage is not None and not 0.0 <= kv_usage <= 1.0:  # _bad_fraction
+            return f"load.units[{i}].kv_usage={kv_usage!r} is outside 0..1"
     return None
 
 
@@ -53,9 +67,10 @@ def _latency_problem(latency: LatencyBlock) -> str | None:
         return f"latency.window_s={latency.window_s!r} is not a finite positive number"
     if latency.completed < 0:
         return f"latency.completed={latency.completed} is negative"
-    for name in ("ttft_p50_s", "ttft_p90_s", "tpot_s"):
-        if _bad_count(getattr(latency, name)):
-            return f"latency.{name}={getattr(latency, name)!r} is not a finite non-negative number"
+    counts = (latency.ttft_p50_s, latency.ttft_p90_s, latency.tpot_s)
+    for name, value in zip(_LATENCY_COUNTS, counts, strict=True):
+        if value is not None and not 0.0 <= value < _INF:  # _bad_count
+            return f"latency.{name}={value!r} is not a finite non-negative number"
     if _bad_fraction(latency.error_ratio):
         return f"latency.error_ratio={latency.error_ratio!r} is outside 0..1"
     p50, p90 = latency.ttft_p50_s, latency.ttft_p90_s
@@ -103,7 +118,8 @@ def validate_payload(batch: Batch) -> str | None:
         # its complete batches are still admitted (legacy_sample_count).
         if revision is not None:
             carried = sample_count(load)
-            if batch.complete and revision.batch_samples not in (carried, legacy_sample_count(load)):
+            if (batch.complete and revision.batch_samples != carried
+                    and revision.batch_samples != legacy_sample_count(load)):
                 return f"complete batch carries {carried} samples, revision says {revision.batch_samples}"
             if carried > revision.batch_samples:
                 return f"batch carries {carried} samples, revision says {revision.batch_samples}"

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgspec
-
 from gridd.core.batch import Batch
-from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
-from gridd.core.exposition import SeriesCache, TooManyLines, parse_exposition
+from gridd.core.derivation import (
+    WANTED_SAMPLES,
+    EppPlan,
+    derive,
+    epp_plan,
+    has_vllm_series,
+    kind_mismatch,
+    mismatch_of,
+    pool_names,
+)
+from gridd.core.exposition import Exposition, SeriesCache, TooManyLines, parse_exposition
 from gridd.core.latency import LatencyWindow
 from gridd.core.payload import validate_payload
 from gridd.core.readiness import ReadinessTracker, Verdict, probe_only_verdict
@@ -60,6 +67,23 @@ class ScrapeSummary:
         self.last_scrape_at: float | None = None
         self.last_failure_class: str | None = None
         self.last_failure_detail = ""
+
+
+class _LayoutReads:
+    """What on_scrape reads from an exposition's names and labels alone, under the provider's
+    pool and kind: its pools, whether it has vLLM series, the EppPlan of its derivation.
+    Exposition.layout: every exposition with the same layout object has the same names
+    with the same labels in the same order, so these hold for it too (only values differ);
+    a new layout, pool or kind reads them again."""
+
+    __slots__ = ("layout", "pool", "kind", "pools", "has_vllm", "epp")
+
+    def __init__(self, expo: Exposition, *, pool: str | None, kind: str) -> None:
+        self.layout = expo.layout
+        self.pool, self.kind = pool, kind
+        self.pools = pool_names(expo)
+        self.has_vllm = has_vllm_series(expo)
+        self.epp: EppPlan | None = epp_plan(expo, pool=pool, kind=kind, pools=self.pools)
 
 
 class ProviderPublisher:
@@ -107,6 +131,8 @@ class ProviderPublisher:
         self.summary = ScrapeSummary()
         # This provider's series from its latest scrape: a line that repeats is not parsed again.
         self._series = SeriesCache()
+        # What the readers took from the latest exposition with a layout, by label.
+        self._reads: _LayoutReads | None = None
         self.last_load: LoadSignals | None = None
         self.last_latency: LatencyBlock | None = None
         self.last_verdict: Verdict | None = None
@@ -173,8 +199,13 @@ class ProviderPublisher:
                 failure_class, failure_detail = "parse", f"more than {MAX_EXPOSITION_LINES} lines"
         if failure_class is None and body is not None:  # parsed (expo)
             summary.malformed_lines += expo.malformed_lines
-            pools = pool_names(expo)  # read once, for both
-            mismatch = kind_mismatch(expo, self.kind, pools=pools)
+            reads = self._layout_reads(expo)
+            if reads is None:
+                pools = pool_names(expo)  # read once, for both
+                mismatch = kind_mismatch(expo, self.kind, pools=pools)
+            else:
+                pools = reads.pools
+                mismatch = mismatch_of(self.kind, has_epp=bool(pools), has_vllm=reads.has_vllm)
             if expo.malformed_lines and not expo.samples:
                 # Nothing usable came out of a body that did not parse: a failed scrape.
                 failure_class, failure_detail = "parse", f"{expo.malformed_lines} malformed lines, no samples"
@@ -183,8 +214,11 @@ class ProviderPublisher:
                 # misconfiguration (or the wrong URL), not a reading of this provider.
                 failure_class, failure_detail = "wrong_kind", mismatch
             else:
-                derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind,
-                                 pools=pools)
+                if reads is not None and reads.epp is not None:
+                    derived = reads.epp.derive(expo, self.queue_full_at)
+                else:
+                    derived = derive(expo, pool=self.pool, queue_full_at=self.queue_full_at, kind=self.kind,
+                                     pools=pools)
                 load = derived.load
                 self._note_invalid_fields(derived.invalid)
                 latency = self.latency.observe(now, expo)
@@ -204,44 +238,65 @@ class ProviderPublisher:
         # version order every batch by (publisher_epoch, batch_sequence) instead, which a
         # restart under a clock set back cannot lower: every batch takes the next sequence
         # number, and the one without a revision carries it as its order.
-        batch, sequence = self._unrevised_batch(now, wall_now, verdict)
-        if load is None:
-            return batch
-        revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence,
-                            sample_count(load))
-        full = msgspec.structs.replace(batch, revision=revision, order=None, complete=True, load=load,
-                                       latency=latency)
-        problem = validate_payload(full)
-        if problem is not None:
+        published_ms, sequence = self._stamp(wall_now)
+        if load is not None:
+            # The qualified batch is built whole (not as the unrevised one plus a replace):
+            # the same fields, revision and load instead of order.
+            revision = Revision(self.provider_uid, self.generation, self.publisher_epoch, sequence,
+                                sample_count(load))
+            full = self._batch(now, verdict, published_ms, revision=revision, load=load, latency=latency)
+            problem = validate_payload(full)
+            if problem is None:
+                self.sequence = revision.batch_sequence
+                self.last_load, self.last_latency = load, latency
+                return full
             # A backstop: derivation already left out every out-of-range load value, so
             # this is a payload no field-level rule covers. Publish the verdict alone, so
             # readiness still travels, and count it.
             self._count_unpublishable("payload")
             summary.last_failure_detail = f"unpublishable reading: {problem}"
-            return batch
-        self.sequence = revision.batch_sequence
-        self.last_load, self.last_latency = load, latency
-        return full
+        return self._batch(now, verdict, published_ms, order=BatchOrder(self.publisher_epoch, sequence))
 
-    def _unrevised_batch(self, now: float, wall_now: float, verdict: Verdict) -> tuple[Batch, int]:
-        """The verdict and the probe metadata, in the next sequence number of the epoch, as
-        ``order`` (the caller adds the revision and load of a qualified scrape)."""
+    def _layout_reads(self, expo: Exposition) -> _LayoutReads | None:
+        """The label reads of ``expo``: kept while its layout, the pool and the kind stay the
+        same, read again when one changes; None for an exposition without a layout (read the
+        plain way)."""
+        if expo.layout is None:
+            self._reads = None  # nor keep an old layout (a body's worth of line prefixes) alive
+            return None
+        reads = self._reads
+        if (reads is None or reads.layout is not expo.layout or reads.pool != self.pool
+                or reads.kind != self.kind):
+            reads = self._reads = _LayoutReads(expo, pool=self.pool, kind=self.kind)
+        return reads
+
+    def _stamp(self, wall_now: float) -> tuple[int, int]:
+        """The next batch's published_ms (never backwards: see on_scrape) and sequence."""
         published_ms = max(int(wall_now * 1000), self._last_published_ms + 1)
         self._last_published_ms = published_ms
-        sequence = self._next_sequence()
-        batch = Batch(
+        return published_ms, self._next_sequence()
+
+    def _batch(self, now: float, verdict: Verdict, published_ms: int, *, order: BatchOrder | None = None,
+               revision: Revision | None = None, load: LoadSignals | None = None,
+               latency: LatencyBlock | None = None) -> Batch:
+        """The verdict and the probe metadata, with ``order`` (a batch without revision
+        metadata), or with the revision, load and latency of a qualified scrape (complete)."""
+        return Batch(
             site=self.site,
             provider=self.provider,
             model=self.model,
             published_ms=published_ms,
             age_s=0.0,
+            revision=revision,
+            complete=revision is not None,
             ready=verdict.ready,
             ready_reason=verdict.reason,
+            load=load,
+            latency=latency,
             probes=dict(self.probes),
-            order=BatchOrder(self.publisher_epoch, sequence),
+            order=order,
             probe_age_s={key: round(max(0.0, now - self.probes_at.get(key, now)), 3) for key in self.probes},
         )
-        return batch, sequence
 
     def on_probe_only(self, *, now: float, wall_now: float, unavailable: bool) -> Batch:
         """One publication of a provider with no ``metrics`` block, every scrape interval
@@ -249,7 +304,8 @@ class ProviderPublisher:
         metadata. Without load it is never learned from; gateways route it as a candidate
         with no load signal, or rank it on its probe values under a strategy."""
         verdict = self.last_verdict = probe_only_verdict(unavailable=unavailable)
-        return self._unrevised_batch(now, wall_now, verdict)[0]
+        published_ms, sequence = self._stamp(wall_now)
+        return self._batch(now, verdict, published_ms, order=BatchOrder(self.publisher_epoch, sequence))
 
     def _count_unpublishable(self, reason: str) -> None:
         counts = self.summary.unpublishable

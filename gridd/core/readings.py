@@ -111,4 +111,5 @@ def legacy_sample_count(load: LoadSignals) -> int:
 
 
 def _has_pool_sample(load: LoadSignals) -> bool:
-    return any(v is not None for v in (load.avg_running, load.avg_waiting, load.kv_mean, load.in_flight))
+    return (load.avg_running is not None or load.avg_waiting is not None or load.kv_mean is not None
+            or load.in_flight is not None)
