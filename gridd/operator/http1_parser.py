@@ -28,12 +28,14 @@ CHUNK_LINE_MAX = 4096
 
 _END_OF_HEAD = re.compile(rb"\n\r?\n")
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
-_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*")
-# A field line, as _FIELD reads it, when it has no CR but the one that may end it: its
-# groups are _FIELD's on the line less that CR, but for the blanks that end the value,
-# which _FIELD leaves out (_header_fields strips them). Any other line is the third group,
-# so that matches follow each other line by line.
-_FIELD_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n]*)\r?\n|([^\n]*\n)")
+_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A field line (name ":" value, the value without the blanks around it) when it has no CR
+# but the one that may end it: the name, and the value with the blanks that end it (which
+# _header_fields strips). Any other line is the third group, so that matches follow each
+# other line by line. Possessive (*+): a line that is not such a field line fails at once,
+# never retried with fewer blanks before its value (quadratic in the blanks otherwise); a
+# field line matches on the first try, so the groups are those of plain greedy repeats.
+_FIELD_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*+([^\r\n]*+)\r?\n|([^\n]*\n)")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS = re.compile(rb"[0-9]{1,19}")
 
@@ -98,11 +100,13 @@ def _header_fields_by_line(block: bytes) -> dict[bytes, list[bytes]]:
             # obs-fold: a continuation line joins the previous field's value (as h11 does).
             last[-1] = last[-1] + b" " + line.strip(b" \t")
             continue
-        field = _FIELD.fullmatch(line)
-        if field is None:
+        # name ":" value: a token up to the first colon, the value less the blanks around it
+        # (h11's field-value; str.strip, not a regex that retries every split of the blanks).
+        name, colon, value = line.partition(b":")
+        if not colon or _FIELD_NAME.fullmatch(name) is None:
             raise ProtocolError(f"malformed header line {line[:60]!r}")
-        last = fields.setdefault(field.group(1).lower(), [])
-        last.append(field.group(2))
+        last = fields.setdefault(name.lower(), [])
+        last.append(value.strip(b" \t"))
     return fields
 
 
