@@ -24,7 +24,7 @@ ProviderPublisher.on_scrape (gridd/core: parse, derive, readiness, batch), and `
 shell (scrape pool, HTTP client, trio, the service's result handling). ``--compare TREE``
 adds a "base" row, 1000 providers x 16 slots on TREE's gridd (an unchanged checkout),
 interleaved with the other points in every repeat; ``--src TREE`` runs every operator point
-on TREE's gridd.
+on TREE's gridd; ``--only-1000`` runs the 1000 x 16 point alone (with the "base" row).
 
 Bounded: every phase has a fixed count of passes, polls or rounds and a wall-clock budget;
 network only on 127.0.0.1. Run: nice -n 15 .venv/bin/python benchmarks/scale.py [--repeats N] [--quick]
@@ -355,8 +355,11 @@ def operator_curve(
         (statistics.median(r["rss_mb"] for r in large) - statistics.median(r["rss_mb"] for r in small))
         * 1024
         / (counts[-1] - counts[0])
+        if counts[-1] > counts[0]
+        else float("nan")
     )
-    print(f"rss per provider: {per_provider_kb:.1f} KiB ({counts[0]} -> {counts[-1]} providers)")
+    if counts[-1] > counts[0]:
+        print(f"rss per provider: {per_provider_kb:.1f} KiB ({counts[0]} -> {counts[-1]} providers)")
     points_out = {
         f"{n}x{s}" + ("" if kind == "lean" else f"-{kind}"): runs for (n, s, kind), runs in results.items()
     }
@@ -725,6 +728,12 @@ def main() -> None:
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("operator", "signals", "gateway", "poll"), help="run one curve")
     parser.add_argument(
+        "--only-1000",
+        action="store_true",
+        help="the operator curve at 1000 providers x 16 slots only (and the --compare 'base' row): "
+        "a quicker same-session comparison; no other curve, no scrape_cpu_share line",
+    )
+    parser.add_argument(
         "--compare",
         type=Path,
         help="also run 1000 providers x 16 slots on this tree's gridd (the 'base' row, interleaved "
@@ -769,21 +778,26 @@ def main() -> None:
     if only is not None:
         only(args.rounds)
         return
-    # 1000 providers also with a pool four times wider (does the pass then fit the interval?),
-    # and through the httpx client the operator used before, as the same-run baseline.
-    extra = [(1000, 64, "lean"), (1000, 16, "httpx")] + ([(1000, 16, "base")] if COMPARE_SRC else [])
-    operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes, extra=extra)
-    lean_vs_httpx = statistics.median(
-        r["cpu_per_pass_s"] for r in operator["points"]["1000x16"]
-    ) / statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16-httpx"])
-    print(f"scrape CPU at 1000 providers, lean vs httpx, same run: {lean_vs_httpx:.3f}")
+    base = [(1000, 16, "base")] if COMPARE_SRC else []
+    if args.only_1000:
+        operator = operator_curve((1000,), args.repeats, args.passes, extra=base)
+    else:
+        # 1000 providers also with a pool four times wider (does the pass then fit the
+        # interval?), and through the httpx client the operator used before, as the same-run
+        # baseline.
+        extra = [(1000, 64, "lean"), (1000, 16, "httpx"), *base]
+        operator = operator_curve(PROVIDER_COUNTS, args.repeats, args.passes, extra=extra)
+        lean_vs_httpx = statistics.median(
+            r["cpu_per_pass_s"] for r in operator["points"]["1000x16"]
+        ) / statistics.median(r["cpu_per_pass_s"] for r in operator["points"]["1000x16-httpx"])
+        print(f"scrape CPU at 1000 providers, lean vs httpx, same run: {lean_vs_httpx:.3f}")
     if COMPARE_SRC is not None:
         for column, what in (("rest_cpu_per_pass_s", "outside the publishers"), ("cpu_per_pass_s", "in all")):
             now, base = (statistics.median(r[column] for r in operator["points"][key])
                          for key in ("1000x16", "1000x16-base"))
             print(f"CPU per pass at 1000 providers {what}, this code vs base, same run: "
                   f"{now:.3f} vs {base:.3f} ({now / base:.3f})")
-    if args.only == "operator":
+    if args.only == "operator" or args.only_1000:
         return
     signals = signals_curve(args.rounds)
     gateway = gateway_curve(args.rounds)

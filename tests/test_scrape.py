@@ -24,7 +24,7 @@ from gridd.operator.http1 import (
     ScrapeClient,
     UndecodableBody,
 )
-from gridd.operator.scrape import ScrapePool, ScrapeTarget, scrape_one
+from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, scrape_one
 
 CAP = 1024 * 1024
 
@@ -147,6 +147,51 @@ async def test_one_worker_bounds_each_scrape_by_its_own_timeout_through_timeouts
         ("b", 10.0, 1.5, None, b"b"),
     ]
     assert duration == 10.0 and pool.max_in_flight_seen == 1
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["httpx", "lean"])
+async def test_a_result_handler_is_never_cut_by_the_deadline_of_the_scrape_it_handles(autojump_clock, lean):
+    # One slot, each provider answering after 1.5 s, timeouts 2 s. The handler of "a" returns
+    # nothing (it waited for nothing) but the clock passes a's deadline while it runs; the
+    # handler of "b" waits 3 s, past b's deadline. Neither is cut, nothing times out, and
+    # each next scrape keeps its own full timeout from its own start.
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await trio.sleep(1.5)
+        return httpx.Response(200, content=request.url.host.encode())
+
+    async def serve(stream, host):
+        while await read_request(stream) is not None:
+            await trio.sleep(1.5)
+            await stream.send_all(answer(host.encode()))
+
+    results, handled = [], []
+
+    async def slow_handling(result: ScrapeResult) -> None:
+        await trio.sleep(3.0)
+        handled.append(result.provider)
+
+    def on_result(result: ScrapeResult):
+        results.append(result)
+        if result.provider == "a":
+            autojump_clock.jump(1.0)  # work that took 1 s, past a's deadline at 2.0
+            handled.append("a")
+            return None
+        return slow_handling(result)
+
+    async with trio.open_nursery() as nursery:
+        client = (ScrapeClient(open_stream=FakeProviders(nursery, serve).open_stream) if lean
+                  else httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        async with client:
+            pool = ScrapePool(client, concurrency=1, body_cap=CAP, on_result=on_result)
+            start = trio.current_time()
+            duration = await pool.run_pass(targets("a", "b", "c", timeout_s=2.0))
+        nursery.cancel_scope.cancel()
+    assert [(r.provider, r.finished_at - start, r.duration_s, r.failure_class, r.body) for r in results] == [
+        ("a", 1.5, 1.5, None, b"a"),
+        ("b", 4.0, 1.5, None, b"b"),
+        ("c", 8.5, 1.5, None, b"c"),
+    ]
+    assert handled == ["a", "b", "c"] and duration == 11.5 and pool.result_errors == 0
 
 
 async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock):

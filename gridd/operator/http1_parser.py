@@ -28,7 +28,14 @@ CHUNK_LINE_MAX = 4096
 
 _END_OF_HEAD = re.compile(rb"\n\r?\n")
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
-_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*")
+_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A field line (name ":" value, the value without the blanks around it) when it has no CR
+# but the one that may end it: the name, and the value with the blanks that end it (which
+# _header_fields strips). Any other line is the third group, so that matches follow each
+# other line by line. Possessive (*+): a line that is not such a field line fails at once,
+# never retried with fewer blanks before its value (quadratic in the blanks otherwise); a
+# field line matches on the first try, so the groups are those of plain greedy repeats.
+_FIELD_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*+([^\r\n]*+)\r?\n|([^\n]*\n)")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS = re.compile(rb"[0-9]{1,19}")
 
@@ -71,12 +78,47 @@ class _Decoder:
             raise UndecodableBody(str(exc)) from None
 
 
+def _header_fields(block: bytes) -> dict[bytes, list[bytes]]:
+    """The header fields of a head's lines after the status line (``block``, its lines
+    separated by LF, each possibly ending in CR): lowercased name -> values in order."""
+    fields: dict[bytes, list[bytes]] = {}
+    for name, value, other in _FIELD_LINE.findall(block + b"\n"):
+        if other:
+            # Not a common field line (obs-fold, malformed, a CR inside): line by line.
+            return _header_fields_by_line(block)
+        fields.setdefault(name.lower(), []).append(value.rstrip(b" \t"))
+    return fields
+
+
+def _header_fields_by_line(block: bytes) -> dict[bytes, list[bytes]]:
+    """_header_fields for any block: each line by _FIELD, obs-fold joined."""
+    fields: dict[bytes, list[bytes]] = {}
+    last: list[bytes] | None = None
+    for raw in block.split(b"\n"):
+        line = raw.removesuffix(b"\r")
+        if line[:1] in (b" ", b"\t") and last is not None:
+            # obs-fold: a continuation line joins the previous field's value (as h11 does).
+            last[-1] = last[-1] + b" " + line.strip(b" \t")
+            continue
+        # name ":" value: a token up to the first colon, the value less the blanks around it
+        # (h11's field-value; str.strip, not a regex that retries every split of the blanks).
+        name, colon, value = line.partition(b":")
+        if not colon or _FIELD_NAME.fullmatch(name) is None:
+            raise ProtocolError(f"malformed header line {line[:60]!r}")
+        last = fields.setdefault(name.lower(), [])
+        last.append(value.strip(b" \t"))
+    return fields
+
+
 class ResponseParser:
     """One HTTP/1.1 response to a GET, fed as it arrives (``receive_data``, then
     ``receive_eof`` when the peer closes). After a call, ``status`` is set once the head is
     in, and ``done`` once the whole response is; then ``body()`` is the decoded body and
     ``reusable`` says whether the connection may carry another request. Raises
     ProtocolError, BodyCapExceeded or UndecodableBody; a parser that raised is finished."""
+
+    __slots__ = ("body_cap", "status", "done", "reusable", "received_any", "_buf", "_parts", "_size",
+                 "_decoder", "_keep_alive", "_state", "_remaining")
 
     def __init__(self, body_cap: int) -> None:
         self.body_cap = body_cap
@@ -107,19 +149,28 @@ class ResponseParser:
             return
         self.received_any = True
         # Fast paths while nothing is buffered, for the common response (a head, then a
-        # Content-Length body): each complete head goes through the buffer alone, and body
-        # bytes go straight into the body, one copy each (a read of a whole 75 KB response
-        # makes one allocation of its size: the body). The bytes are split only where the
-        # framing is already known, which any split of the input must parse the same
-        # (tests: every byte split).
+        # Content-Length body): each complete head is read where it lies, and body bytes go
+        # straight into the body, one copy each (a read of a whole 75 KB response makes one
+        # allocation of its size: the body). The bytes are split only where the framing is
+        # already known, which any split of the input must parse the same (tests: every
+        # byte split).
         while self._state == "head" and not self._buf:
             end = _END_OF_HEAD.search(data, 0, HEAD_MAX + 4)
             if end is None or end.end() == len(data):
                 break
             cut = end.end()
-            self._buf += data[:cut]
-            data = data[cut:]
-            self._advance()
+            if data[0] in b"\r\n":
+                # Blank lines may lead: _head drops them, then looks for the end anew.
+                self._buf += data[:cut]
+                data = data[cut:]
+                self._advance()
+            else:
+                # What _head would read: the head is all before the end found, and nothing
+                # is left buffered. Its framing then runs on the rest of ``data`` below
+                # (or by _advance), as _advance would run it on an empty buffer.
+                head = bytes(data[: end.start()])
+                data = data[cut:]
+                self._read_head(head)
             if self.done:
                 self.reusable = False  # bytes after a complete response
                 return
@@ -234,38 +285,37 @@ class ResponseParser:
             if len(buf) > HEAD_MAX:
                 raise ProtocolError(f"response head over {HEAD_MAX} bytes")
             return False
-        lines = bytes(buf[: end.start()]).split(b"\n")
+        head = bytes(buf[: end.start()])
         del buf[: end.end()]
-        status_line = lines[0].removesuffix(b"\r")
+        self._read_head(head)
+        return True
+
+    def _read_head(self, head: bytes) -> None:
+        """Read one head (its lines, less the blank line that ends it) and set up the body's
+        framing; an interim (1xx) head leaves the parser waiting for the next head."""
+        status_line, newline, block = head.partition(b"\n")
+        status_line = status_line.removesuffix(b"\r")
         m = _STATUS_LINE.fullmatch(status_line)
         if m is None:
             raise ProtocolError(f"malformed status line {status_line[:60]!r}")
         minor, status = m.group(1), int(m.group(2))
-        fields: dict[bytes, list[bytes]] = {}
-        last: list[bytes] | None = None
-        for raw in lines[1:]:
-            line = raw.removesuffix(b"\r")
-            if line[:1] in (b" ", b"\t") and last is not None:
-                # obs-fold: a continuation line joins the previous field's value (as h11 does).
-                last[-1] = last[-1] + b" " + line.strip(b" \t")
-                continue
-            field = _FIELD.fullmatch(line)
-            if field is None:
-                raise ProtocolError(f"malformed header line {line[:60]!r}")
-            last = fields.setdefault(field.group(1).lower(), [])
-            last.append(field.group(2))
+        fields = _header_fields(block) if newline else {}
         if 100 <= status < 200:
             if status == 101:
                 raise ProtocolError("101 Switching Protocols to a plain GET")
-            return True  # interim response: the real head follows
+            return  # interim response: the real head follows
         self.status = status
-        connection = {
-            token.strip().lower() for value in fields.get(b"connection", ()) for token in value.split(b",")
-        }
-        self._keep_alive = minor == b"1" and b"close" not in connection
-        coding = b",".join(fields.get(b"content-encoding", ())).strip().lower()
-        if coding in (b"gzip", b"x-gzip", b"deflate"):
-            self._decoder = _Decoder(coding)
+        # Each field read only if present: an absent one reads as the empty list would.
+        connection = fields.get(b"connection")
+        self._keep_alive = minor == b"1" and (
+            connection is None
+            or b"close" not in {token.strip().lower() for value in connection for token in value.split(b",")}
+        )
+        encoding = fields.get(b"content-encoding")
+        if encoding is not None:
+            coding = b",".join(encoding).strip().lower()
+            if coding in (b"gzip", b"x-gzip", b"deflate"):
+                self._decoder = _Decoder(coding)
         if not 200 <= status < 300:
             # The caller stops at the status; the body is never read.
             self._finish(reusable=False)
@@ -276,18 +326,19 @@ class ResponseParser:
             if codings != b"chunked":
                 raise ProtocolError(f"unsupported Transfer-Encoding {codings[:40]!r} (only chunked)")
             self._state = "chunk_size"
-        elif b"content-length" in fields:
-            values = {v.strip() for value in fields[b"content-length"] for v in value.split(b",")}
-            if len(values) != 1 or _DIGITS.fullmatch(next(iter(values))) is None:
+        elif (lengths := fields.get(b"content-length")) is not None:
+            # One field of one value (no comma) is the set of its value alone.
+            values = ({lengths[0].strip()} if len(lengths) == 1 and b"," not in lengths[0]
+                      else {v.strip() for value in lengths for v in value.split(b",")})
+            if len(values) != 1 or _DIGITS.fullmatch(length := next(iter(values))) is None:
                 raise ProtocolError(f"malformed Content-Length {b', '.join(sorted(values))[:60]!r}")
-            self._remaining = int(next(iter(values)))
+            self._remaining = int(length)
             if self._decoder is None and self._remaining > self.body_cap:
                 raise BodyCapExceeded(f"Content-Length {self._remaining}")
             self._state = "length"
         else:
             self._state = "close"  # no framing: the body runs to the end of the connection
             self._keep_alive = False
-        return True
 
     def _append(self, data: bytes) -> None:
         if self._decoder is not None:

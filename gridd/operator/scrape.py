@@ -193,9 +193,16 @@ class ScrapePool:
 
         Each scrape is bounded by its provider's timeout exactly as scrape_one bounds it
         (the caller's cancel scope, STYLE 3), but one scope serves many scrapes in a row:
-        its deadline is set to each scrape's start + timeout_s and lifted before the result
-        is handed on. A scope whose deadline fired is spent, so the next scrape gets a new
-        one; that costs a scope per timeout, not one per scrape."""
+        its deadline is set to each scrape's start + timeout_s, and lifted before anything
+        of the result's handling can wait. A handler that returns no awaitable (it did its
+        work and never waited) runs under the deadline still set, which is the same: trio
+        checks deadlines and delivers cancellation only while the task waits, and the next
+        scrape's deadline replaces this one before it waits again (or the scope closes).
+        A scope whose deadline fired is spent, so the next scrape gets a new one; that
+        costs a scope per timeout, not one per scrape."""
+        client, body_cap = self.client, self.body_cap
+        # The lean client's own method, without _fetch's coroutine around it per scrape.
+        fetch = client.get_capped if isinstance(client, ScrapeClient) else None
         while True:
             result: ScrapeResult | None = None
             with trio.CancelScope() as scope:
@@ -205,17 +212,22 @@ class ScrapePool:
                     self._in_flight += 1
                     self.max_in_flight_seen = max(self.max_in_flight_seen, self._in_flight)
                     try:
-                        body, failure, detail = await _fetch(self.client, target, self.body_cap)
+                        if fetch is not None:
+                            body, failure, detail = await fetch(target.url, target.headers, body_cap)
+                        else:
+                            body, failure, detail = await _fetch(client, target, body_cap)
                     finally:
                         self._in_flight -= 1
-                    scope.deadline = math.inf
                     end = trio.current_time()
                     result = ScrapeResult(target.provider, end, end - start, body, failure, detail)
                     if scope.cancel_called:
                         # The deadline passed as the answer came in: the answer stands, and
                         # is handed on outside this spent scope.
                         break
-                    await self._hand_on(result)
+                    outcome = self._hand_on_now(result)
+                    if outcome is not None:
+                        scope.deadline = math.inf
+                        await self._await_outcome(outcome, result)
                     result = None
                 else:
                     return
@@ -223,17 +235,28 @@ class ScrapePool:
                 # The deadline fired during the scrape of ``target``, begun at ``start``.
                 result = _timed_out(target, start, trio.current_time())
             assert result is not None
-            await self._hand_on(result)
-
-    async def _hand_on(self, result: ScrapeResult) -> None:
-        try:
-            outcome = self.on_result(result)
+            outcome = self._hand_on_now(result)
             if outcome is not None:
-                await outcome
+                await self._await_outcome(outcome, result)
+
+    def _hand_on_now(self, result: ScrapeResult) -> Awaitable[None] | None:
+        """``on_result(result)``: what it returned to wait for, else None (done, or failed)."""
+        try:
+            return self.on_result(result)
         except Exception:
-            # A bug on one provider's result path must not stop every provider's scraping.
-            self.result_errors += 1
-            log.exception("provider %s: processing the scrape result failed", result.provider)
+            self._result_failed(result)
+            return None
+
+    async def _await_outcome(self, outcome: Awaitable[None], result: ScrapeResult) -> None:
+        try:
+            await outcome
+        except Exception:
+            self._result_failed(result)
+
+    def _result_failed(self, result: ScrapeResult) -> None:
+        # A bug on one provider's result path must not stop every provider's scraping.
+        self.result_errors += 1
+        log.exception("provider %s: processing the scrape result failed", result.provider)
 
     async def run(
         self,

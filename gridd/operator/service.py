@@ -11,7 +11,7 @@ import itertools
 import logging
 import random
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import Any
@@ -322,9 +322,15 @@ class OperatorService:
                         claim.discarded - int(self.wall()), self.config.timings.future_epoch_bound_s,
                         claim.epoch)
 
-    def _epoch_beyond_clock(self) -> bool:
+    def _epoch_beyond_clock(self, wall_now: float | None = None) -> bool:
+        """Whether the publisher epoch is past the skew bound of the wall clock (read now,
+        unless the caller has just read it: ``wall_now``)."""
         epoch = self.publisher_epoch
-        return epoch is not None and epoch > self.wall() + self.config.timings.future_epoch_bound_s
+        if epoch is None:
+            return False
+        if wall_now is None:
+            wall_now = self.wall()
+        return epoch > wall_now + self.config.timings.future_epoch_bound_s
 
     async def _reclaim_epoch(self) -> None:
         """The wall clock stepped back while running, so far that every receiver whose clock
@@ -346,16 +352,30 @@ class OperatorService:
             self._epoch_claim_failing = False
             self._adopt_epoch(claim)
 
-    async def _on_scrape(self, result: ScrapeResult) -> None:
-        if self._epoch_beyond_clock():
-            await self._reclaim_epoch()
+    def _on_scrape(self, result: ScrapeResult) -> Awaitable[None] | None:
+        """The pool's result handler. It waits for nothing unless a new publisher epoch must
+        be claimed first: then it returns what to wait for (the pool lifts the scrape's
+        deadline before waiting), else it publishes at once and returns None."""
+        wall_now = self.wall()
+        if self._epoch_beyond_clock(wall_now):
+            return self._reclaim_epoch_then_publish(result)
+        self._publish_scrape(result, wall_now)
+        return None
+
+    async def _reclaim_epoch_then_publish(self, result: ScrapeResult) -> None:
+        await self._reclaim_epoch()
+        self._publish_scrape(result, self.wall())
+
+    def _publish_scrape(self, result: ScrapeResult, wall_now: float) -> None:
+        """``wall_now``: the wall clock read just before (one read serves the epoch check
+        and the batch when no claim came between)."""
         publisher = self.publishers.get(result.provider)
         provider = self._providers_by_name.get(result.provider)
         if publisher is None or provider is None:
             return  # removed by a reload while its scrape ran
         batch = publisher.on_scrape(
             now=result.finished_at,
-            wall_now=self.wall(),
+            wall_now=wall_now,
             body=result.body,
             failure_class=result.failure_class,
             failure_detail=result.detail,
