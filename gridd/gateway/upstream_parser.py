@@ -34,9 +34,11 @@ CHUNK_LINE_MAX = 4096
 _END_OF_HEAD = re.compile(rb"\n\r?\n")
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?")
 # h11's field grammar: a token, ":", optional whitespace, visible characters with inner
-# spaces or tabs, optional whitespace.
-_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*"
-                    rb"((?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?)[ \t]*")
+# spaces or tabs, optional whitespace. Possessive repeats (one split of a line is possible:
+# blanks and visible characters are disjoint), so a line that does not match fails in time
+# linear in its length; plain repeats tried every split of a run of blanks (quadratic).
+_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*+"
+                    rb"((?:[\x21-\x7e\x80-\xff]++(?:[ \t]++[\x21-\x7e\x80-\xff]++)*+)?)[ \t]*+")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS = re.compile(rb"[0-9]{1,19}")
 
