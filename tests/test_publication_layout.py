@@ -2,9 +2,10 @@
 
 ProviderPublisher.on_scrape keeps what its readers compute from names and labels alone (the
 pools, the vLLM check, the EPP derivation's rows: gridd.core.derivation.EppPlan; the latency
-window's rows: gridd.core.latency.LatencyPlan) while the parse hands back the same layout
-object. Here two publishers scrape the same bodies: one as the operator runs it, one whose
-expositions have their layout taken away, so every scrape reads everything by label again
+window's rows: gridd.core.latency.LatencyPlan, VllmLatencyPlan for a vLLM source) while the
+parse hands back the same layout object. Here two publishers scrape the same bodies: one as
+the operator runs it, one whose expositions have their layout taken away, so every scrape
+reads everything by label again
 (the plain derive, kind_mismatch, pool_names and _snapshot). Their batches (msgpack bytes),
 summaries, readiness and latency windows must be equal after every scrape.
 """
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 from test_scrape_path_oracle import bodies as generated_bodies
 from test_scrape_path_oracle import relabelled, revalued
 
+import gridd.core.latency as latency
 import gridd.core.publication as publication
 from gridd.core.exposition import Exposition, SeriesCache, parse_exposition
 from gridd.core.publication import ProviderPublisher
@@ -260,3 +262,20 @@ def test_a_provider_reconfigured_between_scrapes_publishes_as_the_plain_path(nam
             body = edited(body, rng, "mixed" if reloads == "kinds" else "add_pool")
         sequence.append(body)
     assert publish_both(sequence, reconfigured=RELOADS[reloads], pool="llama3-8b-pool") >= 4
+
+
+@pytest.mark.parametrize("kind", ["auto", "vllm"])
+def test_a_vllm_body_is_read_through_the_vllm_latency_plan(kind: str) -> None:
+    """The vLLM cases above exercise VllmLatencyPlan: once its parses have a layout, the
+    publisher sums the TTFT buckets without the plain _buckets (the plain one calls it on
+    every scrape, the other only on its scrapes without a layout)."""
+    rng = random.Random(kind)
+    body = SAMPLES["vllm-direct.prom"]
+    sequence = [body]
+    for step in range(1, 10):
+        body = revalue(body, rng, step)
+        sequence.append(body)
+    with mock.patch.object(latency, "_buckets", side_effect=latency._buckets) as plain_sums:
+        with_layout = publish_both(sequence, kind=kind, queue_full_at=2.0)
+    assert with_layout >= 7
+    assert plain_sums.call_count == len(sequence) + (len(sequence) - with_layout)

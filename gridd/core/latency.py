@@ -35,8 +35,8 @@ Sources (docs/signals.md, "Latency"):
 Pure: ``now`` is a monotonic float of seconds passed in by the caller.
 
 A window keeps, per Exposition.layout, what its snapshot reads by label (LatencyPlan: each
-sum's family and own rows, the counted TTFT runs and their bucket layout), so a scrape of a
-repeated layout only adds values.
+sum's family and own rows, the counted TTFT runs and their bucket layout; VllmLatencyPlan:
+a vLLM source's TTFT bucket bounds), so a scrape of a repeated layout only adds values.
 """
 
 from __future__ import annotations
@@ -255,18 +255,7 @@ def _snapshot(now: float, expo: Exposition, *, kind: str = "auto", models: Model
     one model, labelled with its first --served-model-name, which need not be the
     provider's name)."""
     if _is_vllm_source(expo, kind):
-        successes = completed = 0.0
-        for labels, value in expo.series(_VLLM_SUCCESS):
-            if not math.isfinite(value):
-                continue
-            completed += value
-            if labels.get("finished_reason") not in _VLLM_NOT_ANSWERED:
-                successes += value
-        tpot_sum, tpot_count = _sum_count(expo, _VLLM_TPOT)
-        bounds, counts = _buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False)
-        return _Snapshot(at=now, source="vllm", successes=successes, completed=completed,
-                         failures=None, ttft_bounds=bounds, ttft_counts=counts,
-                         tpot_sum=tpot_sum, tpot_count=tpot_count)
+        return _vllm_snapshot(now, expo, _buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False))
     successes = _total(expo, _EPP_SUCCESS, models)
     failures = _total(expo, _EPP_ERRORS, models, skip_empty_model=True)
     tpot_sum, tpot_count = _sum_count(expo, _EPP_TPOT, models)
@@ -358,10 +347,78 @@ def _is_vllm_source(expo: Exposition, kind: str) -> bool:
     return kind == "vllm" or (kind == "auto" and any(name.startswith("vllm:") for name in expo.names()))
 
 
-def latency_plan(expo: Exposition, *, kind: str, models: Models) -> LatencyPlan | None:
-    """The LatencyPlan _snapshot(expo, kind=kind, models=models) reads through, or None for a
-    vLLM source (its snapshot is read the plain way)."""
-    return None if _is_vllm_source(expo, kind) else LatencyPlan(expo, models)
+def latency_plan(expo: Exposition, *, kind: str, models: Models) -> LatencyPlan | VllmLatencyPlan:
+    """The plan _snapshot(expo, kind=kind, models=models) reads through: a VllmLatencyPlan for a
+    vLLM source (models apply to the EPP's rows only), else a LatencyPlan."""
+    return VllmLatencyPlan(expo) if _is_vllm_source(expo, kind) else LatencyPlan(expo, models)
+
+
+def _vllm_snapshot(now: float, expo: Exposition, ttft: tuple[tuple[float, ...], tuple[float, ...]]
+                   ) -> _Snapshot:
+    """_snapshot of a vLLM source, its TTFT buckets summed (_buckets) already."""
+    successes = completed = 0.0
+    for labels, value in expo.series(_VLLM_SUCCESS):
+        if not math.isfinite(value):
+            continue
+        completed += value
+        if labels.get("finished_reason") not in _VLLM_NOT_ANSWERED:
+            successes += value
+    tpot_sum, tpot_count = _sum_count(expo, _VLLM_TPOT)
+    return _Snapshot(at=now, source="vllm", successes=successes, completed=completed, failures=None,
+                     ttft_bounds=ttft[0], ttft_counts=ttft[1], tpot_sum=tpot_sum, tpot_count=tpot_count)
+
+
+class VllmLatencyPlan:
+    """What _snapshot reads from a vLLM exposition's TTFT bucket labels alone. Runs (``le`` the
+    last label, as prometheus_client writes it): the bucket layout they share, as LatencyPlan
+    keeps it. Bucket lines (``le`` elsewhere; one or a few series, which _buckets sums per le
+    the slow way, a float() and a dict update per line): each line's bound as a slot among
+    the distinct bounds in order, -1 for a line _add_bucket skips (no ``le``, or no number).
+    ``snapshot`` gives _snapshot's result for an exposition of the same layout (the same
+    lines with the same labels in the same order)."""
+
+    __slots__ = ("ttft_layout", "slots", "bounds")
+
+    def __init__(self, expo: Exposition) -> None:
+        entries = expo.entries(_VLLM_TTFT_BUCKET)
+        runs = any(isinstance(entry, BucketRun) for entry in entries)
+        self.ttft_layout = _same_layout(entries) if runs else None  # None unless all share one
+        line_bounds: list[float | None] = []
+        for entry in entries:
+            le_text = None if isinstance(entry, BucketRun) else entry[0].get("le")
+            try:
+                line_bounds.append(None if le_text is None else float(le_text))
+            except ValueError:
+                line_bounds.append(None)
+        # A bound's first spelling is its key (as in per_le: -0 and 0 are one bound; each NaN
+        # parsed is a key of its own there too, and sorts as there: bounds alone are compared).
+        self.bounds = tuple(sorted(dict.fromkeys(b for b in line_bounds if b is not None)))
+        slot_of = {bound: slot for slot, bound in enumerate(self.bounds)}
+        self.slots: list[int] | None = [-1 if b is None else slot_of[b] for b in line_bounds]
+        if runs:
+            self.slots = None  # _summed_buckets sums them
+
+    def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
+        entries = expo.entries(_VLLM_TTFT_BUCKET)
+        # The layout's lines: the same entries (a series() call would only write runs out as
+        # lines, which _layout_sum refuses).
+        if self.ttft_layout is not None:
+            summed = _layout_sum(entries, self.ttft_layout)  # None for a NaN count: the plain path
+            if summed is not None:
+                return _vllm_snapshot(now, expo, summed)
+        elif self.slots is not None:
+            # per_le[le] = per_le.get(le, 0.0) + value, line by line: each slot adds the same
+            # values from 0.0 in the same order. With no NaN count every bound is in per_le
+            # (its first spelling the key); a NaN count (skipped there) takes the plain path.
+            sums = [0.0] * len(self.bounds)
+            for entry, slot in zip(entries, self.slots, strict=True):
+                if isinstance(entry, BucketRun) or (slot >= 0 and math.isnan(entry[1])):
+                    break  # (no run among the layout's lines: the check narrows the type)
+                if slot >= 0:
+                    sums[slot] += entry[1]
+            else:
+                return _vllm_snapshot(now, expo, (self.bounds, tuple(sums)))
+        return _vllm_snapshot(now, expo, _buckets(expo, _VLLM_TTFT_BUCKET, None, streaming_only=False))
 
 
 def _is_reset(prev: _Snapshot, cur: _Snapshot) -> bool:
@@ -451,9 +508,9 @@ class LatencyWindow:
         # Counter resets seen (EPP or vLLM restarts), for a metric.
         self.resets = 0
         # The layout of the latest exposition read (Exposition.layout) and what _snapshot
-        # reads of it by label (None: a vLLM source, read the plain way).
+        # reads of it by label.
         self._plan_layout: object | None = None
-        self._plan: LatencyPlan | None = None
+        self._plan: LatencyPlan | VllmLatencyPlan | None = None
 
     @property
     def last_answer_at(self) -> float | None:
