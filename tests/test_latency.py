@@ -320,3 +320,18 @@ def test_buckets_listed_out_of_order_are_summed_in_bound_order(les: tuple[str, .
     assert again.layout is expo.layout and len(again.series(_EPP_TTFT_BUCKET)) == 2 * len(les)
     snapshot = plan.snapshot(1.0, again)
     assert (snapshot.ttft_bounds, snapshot.ttft_counts) == expected
+
+
+def test_counters_summing_past_floats_give_no_block_rather_than_a_crash():
+    """Finite counts whose sum overflows to inf (then inf - inf = NaN across the window): no
+    completed count can be published, so no latency block (it crashed on int(round(inf)))."""
+    def expo(values: tuple[str, ...]):
+        lines = [f'llm_d_epp_request_duration_seconds_count{{n="{i}"}} {v}' for i, v in enumerate(values)]
+        return parse_exposition("\n".join(lines) + "\n", WANTED_SAMPLES)
+
+    window = LatencyWindow(window_s=1.5, kind="auto", min_completed=1)
+    assert window.observe(0.0, expo(("0", "0"))) is None
+    assert window.observe(1.0, expo(("1e308", "1e308"))) is None  # 0 to inf
+    assert window.observe(2.0, expo(("1e308", "1e308"))) is None  # inf - inf
+    assert window.observe(3.0, expo(("5", "5"))) is None  # a counter went down: a reset
+    assert window.observe(4.0, expo(("6", "7"))) is not None  # and it reads again

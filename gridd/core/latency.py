@@ -571,8 +571,8 @@ class LatencyWindow:
 
     def _block(self, base: _Snapshot, cur: _Snapshot) -> LatencyBlock | None:
         completed = cur.completed - base.completed
-        if completed < self.min_completed:
-            return None
+        if not self.min_completed <= completed < math.inf:  # too few; or counters summing past
+            return None  # floats (inf, or inf - inf = NaN): no count to publish, nor a crash
         bounds, counts = cur.ttft_bounds, cur.ttft_counts
         if base.ttft_counts:
             if len(base.ttft_counts) != len(counts):
