@@ -625,3 +625,12 @@ def test_histogram_quantile_matches_the_bucket_by_bucket_reference(pairs, q: flo
             return type(error).__name__
 
     assert outcome(histogram_quantile) == outcome(_quantile)
+
+
+@pytest.mark.parametrize("kind", ["auto", "vllm"])
+def test_a_nan_bucket_bound_reads_as_a_new_layout_on_every_scrape(kind: str) -> None:
+    # Found by the test above (hypothesis): each scrape's NaN bound equals no bound before it,
+    # so the reference sees a layout change (a reset) every time; a bound kept per layout
+    # must not make it compare equal.
+    body = 'vllm:time_to_first_token_seconds_bucket{le="NaN"} 0'
+    check_path([body, body.replace(" 0", " 1"), body.replace(" 0", " 2"), body.replace(" 0", " 3")], kind)

@@ -395,8 +395,11 @@ class VllmLatencyPlan:
         self.bounds = tuple(sorted(dict.fromkeys(b for b in line_bounds if b is not None)))
         slot_of = {bound: slot for slot, bound in enumerate(self.bounds)}
         self.slots: list[int] | None = [-1 if b is None else slot_of[b] for b in line_bounds]
-        if runs:
-            self.slots = None  # _summed_buckets sums them
+        if runs or any(map(math.isnan, self.bounds)):
+            # Runs: _summed_buckets sums them. A NaN bound: every scrape's per_le holds a new
+            # NaN, equal to none before it, so the plain path sees a bucket layout change (a
+            # reset) each time, where kept bounds would compare equal: the plain path reads it.
+            self.slots = None
 
     def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
         entries = expo.entries(_VLLM_TTFT_BUCKET)
