@@ -19,6 +19,7 @@ from urllib.parse import unquote
 import h11
 import trio
 
+from gridd.http import sockio
 from gridd.http.asgi import ASGIApp, only_disconnects, reason_phrase
 from gridd.http.h1_request import (
     HEAD_END,
@@ -154,25 +155,18 @@ class H11Connection:
         if self.sending:
             raise trio.BusyResourceError("another task is writing to this connection")
         await trio.lowlevel.checkpoint_if_cancelled()
-        sock = self.sock
-        view = memoryview(data)
-        sent = 0
-        while True:
-            try:
-                sent += sock.send(view[sent:] if sent else view)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-            if sent >= len(view):
-                await self._pass_now_and_then()
-                return
-            self.sending = True
-            try:
-                await trio.lowlevel.wait_writable(sock)
-            finally:
-                self.sending = False
-            self.unyielded = 0
+        # Busy for the whole write: only its waits let another task in, and none may write
+        # between two of its sends.
+        self.sending = True
+        try:
+            waited = await sockio.send_all(self.sock, data)
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        finally:
+            self.sending = False
+        if waited:
+            self.unyielded = 0  # it passed through the scheduler while it waited
+        await self._pass_now_and_then()
 
     def _recv_now(self) -> bytes | None:
         """What is waiting in the socket (b"" at EOF or reset), None if nothing is."""

@@ -19,18 +19,21 @@ import trio
 __all__ = ["receive", "receive_into", "send_all"]
 
 
-async def send_all(sock: socket.socket, data: bytes) -> None:
-    """Write all of ``data``, waiting for room only when the kernel's buffer is full."""
+async def send_all(sock: socket.socket, data: bytes) -> bool:
+    """Write all of ``data``, waiting for room only when the kernel's buffer is full; whether
+    it waited (a caller counting calls that returned at once needs to know)."""
     view = memoryview(data)
     sent = 0
+    waited = False
     while True:
         try:
             sent += sock.send(view[sent:] if sent else view)
         except BlockingIOError:
             pass
         if sent >= len(view):
-            return
+            return waited
         await trio.lowlevel.wait_writable(sock)
+        waited = True
 
 
 async def receive(sock: socket.socket, max_bytes: int, *, wait_first: bool) -> bytes:
