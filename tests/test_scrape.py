@@ -150,11 +150,15 @@ async def test_one_worker_bounds_each_scrape_by_its_own_timeout_through_timeouts
 
 
 @pytest.mark.parametrize("lean", [False, True], ids=["httpx", "lean"])
-async def test_a_result_handler_is_never_cut_by_the_deadline_of_the_scrape_it_handles(autojump_clock, lean):
+async def test_a_result_handler_is_never_cut_by_a_deadline_and_never_holds_up_the_scrapes(
+    autojump_clock, lean
+):
     # One slot, each provider answering after 1.5 s, timeouts 2 s. The handler of "a" returns
-    # nothing (it waited for nothing) but the clock passes a's deadline while it runs; the
-    # handler of "b" waits 3 s, past b's deadline. Neither is cut, nothing times out, and
-    # each next scrape keeps its own full timeout from its own start.
+    # nothing (it waited for nothing); those of "b" and "c" wait 3 s, past their scrapes'
+    # deadlines. None is cut, nothing times out, each scrape keeps its own full timeout from
+    # its own start, and the worker scrapes on while the results are handled: b starts when
+    # a ends, c when b ends. A waiting handler holds up only the handing on of the results
+    # after it; the pass ends once the last one is handled.
     async def handler(request: httpx.Request) -> httpx.Response:
         await trio.sleep(1.5)
         return httpx.Response(200, content=request.url.host.encode())
@@ -168,13 +172,12 @@ async def test_a_result_handler_is_never_cut_by_the_deadline_of_the_scrape_it_ha
 
     async def slow_handling(result: ScrapeResult) -> None:
         await trio.sleep(3.0)
-        handled.append(result.provider)
+        handled.append((result.provider, trio.current_time() - start))
 
     def on_result(result: ScrapeResult):
         results.append(result)
         if result.provider == "a":
-            autojump_clock.jump(1.0)  # work that took 1 s, past a's deadline at 2.0
-            handled.append("a")
+            handled.append(("a", trio.current_time() - start))
             return None
         return slow_handling(result)
 
@@ -188,10 +191,49 @@ async def test_a_result_handler_is_never_cut_by_the_deadline_of_the_scrape_it_ha
         nursery.cancel_scope.cancel()
     assert [(r.provider, r.finished_at - start, r.duration_s, r.failure_class, r.body) for r in results] == [
         ("a", 1.5, 1.5, None, b"a"),
-        ("b", 4.0, 1.5, None, b"b"),
-        ("c", 8.5, 1.5, None, b"c"),
+        ("b", 3.0, 1.5, None, b"b"),
+        ("c", 4.5, 1.5, None, b"c"),
     ]
-    assert handled == ["a", "b", "c"] and duration == 11.5 and pool.result_errors == 0
+    # b is handed on at 3.0 (its handler ends at 6.0), c, which waited, at 6.0.
+    assert handled == [("a", 1.5), ("b", 6.0), ("c", 9.0)]
+    assert duration == 9.0 and pool.result_errors == 0
+
+
+async def test_results_are_handed_on_in_finishing_order_at_most_one_round_every_hand_on_every_s(
+    autojump_clock,
+):
+    # All six scrapes start at 0. The first result after a quiet spell goes at once (p1, p4);
+    # one finishing within 50 ms of the last round waits for the next round, with whatever
+    # finished meanwhile (p2 and p3 at 0.15, p5 at 0.35); the last worker's end hands the
+    # rest on at once (p6 at 0.37, not 0.40). finished_at stays when each scrape ended.
+    delays = {"p1": 0.10, "p2": 0.12, "p3": 0.13, "p4": 0.30, "p5": 0.31, "p6": 0.37}
+    handed = []
+    async with httpx.AsyncClient(transport=transport(delays)) as client:
+        pool = ScrapePool(client, concurrency=16, body_cap=CAP, hand_on_every_s=0.05,
+                          on_result=lambda r: handed.append((r.provider, r.finished_at - start,
+                                                             trio.current_time() - start)))
+        start = trio.current_time()
+        duration = await pool.run_pass(targets(*delays))
+    assert handed == [
+        ("p1", pytest.approx(0.10), pytest.approx(0.10)),
+        ("p2", pytest.approx(0.12), pytest.approx(0.15)),
+        ("p3", pytest.approx(0.13), pytest.approx(0.15)),
+        ("p4", pytest.approx(0.30), pytest.approx(0.30)),
+        ("p5", pytest.approx(0.31), pytest.approx(0.35)),
+        ("p6", pytest.approx(0.37), pytest.approx(0.37)),
+    ]
+    assert duration == pytest.approx(0.37)
+
+
+async def test_the_hand_on_gap_is_at_most_a_twentieth_of_the_scrape_interval(autojump_clock):
+    async with httpx.AsyncClient(transport=transport({})) as client:
+        pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=lambda r: None)
+        gaps = {}
+        for interval in (0.4, 5.0):
+            with trio.move_on_after(interval / 2):
+                await pool.run(lambda interval=interval: interval, lambda: targets("a"))
+            gaps[interval] = pool.hand_on_every_s
+    assert gaps == {0.4: pytest.approx(0.02), 5.0: 0.05}
 
 
 async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock):

@@ -353,9 +353,10 @@ class OperatorService:
             self._adopt_epoch(claim)
 
     def _on_scrape(self, result: ScrapeResult) -> Awaitable[None] | None:
-        """The pool's result handler. It waits for nothing unless a new publisher epoch must
-        be claimed first: then it returns what to wait for (the pool lifts the scrape's
-        deadline before waiting), else it publishes at once and returns None."""
+        """The pool's result handler (the pool hands results on in rounds, at most one every
+        HAND_ON_EVERY_S, gridd/operator/scrape.py). It waits for nothing unless a new
+        publisher epoch must be claimed first: then it returns what to wait for (the later
+        results wait, the scrapes go on), else it publishes at once and returns None."""
         wall_now = self.wall()
         if self._epoch_beyond_clock(wall_now):
             return self._reclaim_epoch_then_publish(result)
