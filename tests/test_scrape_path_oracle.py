@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from gridd.core.derivation import WANTED_SAMPLES, derive, kind_mismatch, pool_names
 from gridd.core.exposition import (
+    BucketRun,
     Exposition,
     SeriesCache,
     TooManyLines,
@@ -462,6 +463,16 @@ def test_a_body_read_through_a_shape_takes_the_reference_path(body: str, data: s
         expected, malformed = reference_parse(variant, WANTED_SAMPLES)
         layout = cache.shape
         got = parse_exposition(variant.encode(), WANTED_SAMPLES, cache)
+        # Reads by position first (Exposition.values, entry_values: what the readers with a
+        # plan use): the reference's values, and on the shape's path no sample built yet.
+        names = [*expected, "no_such_name"]
+        by_position = {name: (list(got.values(name)), got.entry_values(name)) for name in names}
+        assert got.layout is None or got._shape is not None
+        for name, (values, runs) in by_position.items():
+            flat = [v for run in runs for v in (run if isinstance(run, list) else [run])]
+            assert repr(values) == repr(flat) == repr([value for _, value in expected.get(name, [])])
+            written = [e.values if isinstance(e, BucketRun) else e[1] for e in got.entries(name)]
+            assert repr(runs) == repr(written)
         assert (comparable(got.samples), got.malformed_lines) == (comparable(expected), malformed)
         assert got.layout is (layout if layout is not None and cache.shape is layout else None)
         if at == 0:

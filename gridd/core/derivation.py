@@ -453,7 +453,7 @@ def _position(expo: Exposition, families: Iterable[str], pool: str) -> _Position
 
 
 def _value_at(expo: Exposition, position: _Position) -> float | None:
-    return None if position is None else expo.series(position[0])[position[1]][1]
+    return None if position is None else expo.values(position[0])[position[1]]
 
 
 class EppPlan:
@@ -512,9 +512,9 @@ class EppPlan:
         ready = None if ready_raw is None else min(MAX_READY_ENDPOINTS, int(ready_raw))
         flow_queue = 0.0
         if self.flow_family is not None:
-            rows = expo.series(self.flow_family)
+            rows = expo.values(self.flow_family)
             for index in self.flow_rows:
-                raw = rows[index][1]
+                raw = rows[index]
                 value = raw if 0.0 <= raw < _INF else checked.count("flow_queue", self.flow_family, raw)
                 if value is not None:
                     flow_queue += value
@@ -538,9 +538,9 @@ class EppPlan:
         inflight = {} if self.multi_pool else self._inflight(expo, checked)
         waiting_by_endpoint: dict[str, float | None] = {}
         for family, picked in self.waiting:
-            rows = expo.series(family)
+            rows = expo.values(family)
             for index, endpoint in picked:
-                raw = rows[index][1]
+                raw = rows[index]
                 if math.isfinite(raw):
                     waiting_by_endpoint.setdefault(
                         endpoint, raw if raw >= 0.0 else checked.count("waiting", family, raw))
@@ -554,9 +554,9 @@ class EppPlan:
         """_inflight_per_endpoint. When every count is a finite number of at least 0 (else the
         plain function decides), every slot gets its first count added to 0.0 and the rest in
         row order, and every endpoint appears in order of its first row, as there."""
-        rows = expo.series(_INFLIGHT)
+        rows = expo.values(_INFLIGHT)
         sums = [0.0] * len(rows)
-        for slot, (_, raw) in zip(self.inflight_slots, rows, strict=True):
+        for slot, raw in zip(self.inflight_slots, rows, strict=True):
             if not 0.0 <= raw < _INF:
                 return _inflight_per_endpoint(expo, checked)
             sums[slot] += raw

@@ -6,7 +6,7 @@ gridd.core.exposition parses; its docstring describes the fast paths these serve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import is_, itemgetter
 
 __all__ = ["BucketRun", "Exposition", "SeriesCache"]
@@ -75,10 +75,13 @@ class Exposition:
     Two expositions with the same ``layout`` object hold the same names, with the same labels
     in the same order; only their values may differ. A reader may keep what it computed from
     labels alone (which series belong to which pool or endpoint) for as long as the layout
-    object it saw comes back.
+    object it saw comes back, and read the values alone by position: ``values(name)`` and
+    ``entry_values(name)``. A parse read through a _Shape holds its lines' values only, and
+    builds its samples and runs on the first call that needs them (entries, series, samples,
+    names): a reader by position never has them built, nor touches a labels dict.
     """
 
-    __slots__ = ("malformed_lines", "layout", "_entries", "_with_buckets")
+    __slots__ = ("malformed_lines", "layout", "_entries", "_with_buckets", "_shape", "_values", "_picked")
 
     def __init__(self) -> None:
         self.malformed_lines = 0
@@ -86,20 +89,33 @@ class Exposition:
         self._entries: dict[str, list[Entry]] = {}
         # The names whose entries hold a BucketRun, not yet written out as samples.
         self._with_buckets: set[str] = set()
+        # A parse read through a _Shape, until its entries are built: the shape, the lines'
+        # values, and those values in the order of the shape's samples (on first use).
+        self._shape: _Shape | None = None
+        self._values: list[float] = []
+        self._picked: Sequence[float] | None = None
+
+    def _built(self) -> dict[str, list[Entry]]:
+        shape = self._shape
+        if shape is not None:
+            self._shape = None
+            shape.build(self)
+        return self._entries
 
     def names(self) -> Iterable[str]:
         """The names with samples, in order of first appearance."""
-        return self._entries.keys()
+        return self._built().keys()
 
     def entries(self, name: str) -> list[Entry]:
         """One name's samples and bucket runs, in input order; empty when it has none."""
-        return self._entries.get(name, [])
+        return self._built().get(name, [])
 
     def series(self, name: str) -> Series:
         """One name's samples; empty when it has none."""
+        entries_of = self._built()
         if name in self._with_buckets:
             self._with_buckets.discard(name)
-            entries = self._entries[name]
+            entries = entries_of[name]
             written: Series = []
             for entry in entries:
                 if isinstance(entry, BucketRun):
@@ -107,13 +123,51 @@ class Exposition:
                 else:
                     written.append(entry)
             entries[:] = written
-        return self._entries.get(name, [])  # type: ignore[return-value]  # samples only now
+        return entries_of.get(name, [])  # type: ignore[return-value]  # samples only now
 
     @property
     def samples(self) -> dict[str, Series]:
+        self._built()
         for name in list(self._with_buckets):
             self.series(name)
         return self._entries  # type: ignore[return-value]  # samples only now
+
+    def values(self, name: str) -> Sequence[float]:
+        """The values of ``series(name)``, in order."""
+        shape = self._shape
+        if shape is None:
+            return [value for _, value in self.series(name)]
+        where = shape.where.get(name)
+        if where is None:
+            return []
+        if isinstance(where, slice):
+            picked = self._picked
+            if picked is None:
+                picked = self._picked = self._values if shape.pick is None else shape.pick(self._values)
+            return picked[where]
+        values = self._values
+        out: list[float] = []
+        for _, start, stop, les in where:
+            if les is None:
+                out.append(values[start])
+            else:
+                out.extend(values[start:stop])
+        return out
+
+    def entry_values(self, name: str) -> list[float | list[float]]:
+        """Per entry of ``entries(name)``: a sample's value, or a bucket run's counts (a list,
+        which the caller must not change)."""
+        shape = self._shape
+        if shape is None:
+            return [e.values if isinstance(e, BucketRun) else e[1] for e in self.entries(name)]
+        where = shape.where.get(name)
+        if where is None:
+            return []
+        if isinstance(where, slice):
+            return list(self.values(name))
+        values = self._values
+        return [values[start] if les is None else values[start:stop] for _, start, stop, les in where]
+
 
 # Where a line's value goes: (labels, line index, -1, None) for a sample, (labels, first line,
 # stop, les) for a bucket run over lines first..stop-1.
@@ -132,7 +186,7 @@ class _Shape:
     name (``slices``, in ``names`` order: the parse's order of first appearance). The names
     with a bucket run (``runs``) are built from their placements."""
 
-    __slots__ = ("prefixes", "names", "slices", "labels", "pick", "runs")
+    __slots__ = ("prefixes", "names", "slices", "labels", "pick", "runs", "where")
 
     def __init__(self, prefixes: list[str], names: list[tuple[str, list[Placement]]]) -> None:
         self.prefixes = prefixes
@@ -163,6 +217,10 @@ class _Shape:
         # those samples are the first lines (all of them, usually). itemgetter of one index
         # returns the value, not a tuple: a second index (any line) keeps it a tuple.
         self.pick = None if lines == list(range(len(lines))) else itemgetter(*lines, 0)
+        # Each name's slice of the samples, or its placements (a name with a run): where
+        # Exposition.values and entry_values find a name's values without the samples.
+        self.where: dict[str, slice | list[Placement]] = dict(zip(self.names, self.slices, strict=True))
+        self.where.update(self.runs)
 
     def parse(self, lines: list[str], check_ascii: bool) -> Exposition | None:
         """``lines`` parsed, or None when they do not have this shape (the full parse decides)."""
@@ -184,10 +242,18 @@ class _Shape:
             values = list(map(float, tokens))
         except ValueError:
             return None
-        picked = values if self.pick is None else self.pick(values)
-        samples: list[Entry] = list(zip(self.labels, picked, strict=False))  # values may run on (__init__)
         out = Exposition()
-        out.layout = self
+        out.layout = out._shape = self
+        out._values = values
+        return out
+
+    def build(self, out: Exposition) -> None:
+        """``out``'s samples and runs (a parse read through this shape), from its values."""
+        values = out._values
+        picked = out._picked
+        if picked is None:
+            picked = values if self.pick is None else self.pick(values)
+        samples: list[Entry] = list(zip(self.labels, picked, strict=False))  # values may run on (__init__)
         # Each name's samples, a fresh list (Exposition.series rewrites a name's list in place).
         cut: Callable[[slice], list[Entry]] = samples.__getitem__  # the slice overload
         entries = out._entries = dict(zip(self.names, map(cut, self.slices), strict=True))
@@ -200,7 +266,6 @@ class _Shape:
                     built.append(BucketRun(labels, les, values[start:stop]))
             entries[name] = built  # its key is in place already: the order of names holds
             out._with_buckets.add(name)
-        return out
 
 
 def _shape_of(lines: list[str], out: Exposition, canonical: Mapping[str, str]) -> _Shape | None:

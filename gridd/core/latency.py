@@ -49,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
+from gridd.core.bucket_sums import layout_sum, same_layout, summed_buckets
 from gridd.core.exposition import BucketRun, Exposition
 from gridd.core.exposition_result import Entry
 from gridd.core.readings import LatencyBlock
@@ -142,7 +143,7 @@ def _buckets(expo: Exposition, family: str, models: Models, *,
     histogram of their union (all EPP flows share one bucket layout).
     """
     entries = expo.entries(family)
-    return _summed_buckets([entries[i] for i in _counted_buckets(entries, models, streaming_only)])
+    return summed_buckets([entries[i] for i in _counted_buckets(entries, models, streaming_only)])
 
 
 def _counted_buckets(entries: list[Entry], models: Models, streaming_only: bool) -> list[int]:
@@ -158,85 +159,6 @@ def _counted_buckets(entries: list[Entry], models: Models, streaming_only: bool)
                 continue
         counted.append(index)
     return counted
-
-
-def _summed_buckets(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """_buckets' sums of the entries it counts."""
-    if not counted:
-        return (), ()
-    summed = _same_layout_sum(counted)
-    if summed is not None:
-        return summed
-    per_le: dict[float, float] = {}
-    for entry in counted:
-        if isinstance(entry, BucketRun):
-            for bound, value in zip(entry.les, entry.values, strict=True):
-                if not math.isnan(value):
-                    _add_bucket(per_le, bound, value)
-            continue
-        labels, value = entry
-        le_text = labels.get("le")
-        if le_text is not None and not math.isnan(value):
-            _add_bucket(per_le, le_text, value)
-    if not per_le:
-        return (), ()
-    bounds, counts = zip(*sorted(per_le.items()), strict=True)
-    return bounds, counts
-
-
-# A bucket layout that _same_layout_sum sums: its bounds in order, and where each sits in the
-# runs' order (None: they list them in order already).
-_BucketLayout = tuple[tuple[float, ...], list[int] | None]
-
-
-def _same_layout_sum(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """_buckets' sums in C-level steps when every series counted is a BucketRun with the same
-    le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
-    Each bound's sum adds the same counts in the same order as the per-bucket loop."""
-    layout = _same_layout(counted)
-    return None if layout is None else _layout_sum(counted, layout)
-
-
-def _same_layout(counted: list[Entry]) -> _BucketLayout | None:
-    """The layout every series counted shares, when each is a BucketRun with the same le texts
-    and those are distinct numeric bounds; else None. Labels alone decide it."""
-    first = counted[0]
-    if not isinstance(first, BucketRun):
-        return None
-    texts = first.les
-    try:
-        bounds = list(map(float, texts))
-    except ValueError:
-        return None
-    if any(map(math.isnan, bounds)) or len(set(bounds)) != len(bounds):
-        return None
-    if not all(isinstance(run, BucketRun) and run.les == texts for run in counted):
-        return None
-    # The bounds are distinct: sorting them alone orders (bound, sum) pairs as sorting the pairs.
-    order = sorted(range(len(bounds)), key=bounds.__getitem__)
-    return tuple(map(bounds.__getitem__, order)), None if order == list(range(len(bounds))) else order
-
-
-def _layout_sum(counted: list[Entry], layout: _BucketLayout
-                ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """The runs' counts summed bucket by bucket from 0.0, in run order, and put in bound order;
-    None when a count is NaN (the per-bucket loop leaves those out)."""
-    bounds, order = layout
-    sums = [0.0] * len(bounds)
-    for run in counted:
-        if not isinstance(run, BucketRun) or any(map(math.isnan, run.values)):
-            return None
-        sums = list(map(operator.add, sums, run.values))
-    return bounds, tuple(sums) if order is None else tuple(map(sums.__getitem__, order))
-
-
-def _add_bucket(per_le: dict[float, float], le_text: str, value: float) -> None:
-    """Add one bucket's count under its bound; a bound that is no number is skipped."""
-    try:
-        le = float(le_text)
-    except ValueError:
-        return
-    per_le[le] = per_le.get(le, 0.0) + value
 
 
 def _sum_count(expo: Exposition, histograms: tuple[str, ...], models: Models = None) -> tuple[float, float]:
@@ -287,8 +209,8 @@ def _finite_sum(expo: Exposition, rows: _Rows) -> float:
     added in the same order)."""
     if rows is None:
         return 0.0
-    series = expo.series(rows[0])
-    values = [series[index][1] for index in rows[1]]
+    series = expo.values(rows[0])
+    values = [series[index] for index in rows[1]]
     total = sum(values)
     return total if math.isfinite(total) else sum(v for v in values if math.isfinite(v))
 
@@ -322,7 +244,7 @@ class LatencyPlan:
         self.ttft_entries = len(entries)
         self.ttft = _counted_buckets(entries, models, True)
         # The bucket layout the counted runs share (their le texts: labels), if they do.
-        self.ttft_layout = _same_layout([entries[index] for index in self.ttft]) if self.ttft else None
+        self.ttft_layout = same_layout([entries[index] for index in self.ttft]) if self.ttft else None
 
     def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
         successes = _finite_sum(expo, self.successes)
@@ -331,13 +253,16 @@ class LatencyPlan:
             tpot_sum, tpot_count = 0.0, 0.0
         else:
             tpot_sum, tpot_count = _finite_sum(expo, self.tpot_sum), _finite_sum(expo, self.tpot_count)
-        entries = expo.entries(_EPP_TTFT_BUCKET)
-        if len(entries) != self.ttft_entries:
+        runs = expo.entry_values(_EPP_TTFT_BUCKET)
+        if len(runs) != self.ttft_entries:
             bounds, counts = _buckets(expo, _EPP_TTFT_BUCKET, self.models, streaming_only=True)
         else:
-            counted = [entries[index] for index in self.ttft]
-            summed = None if self.ttft_layout is None else _layout_sum(counted, self.ttft_layout)
-            bounds, counts = summed if summed is not None else _summed_buckets(counted)
+            summed = (None if self.ttft_layout is None
+                      else layout_sum([runs[index] for index in self.ttft], self.ttft_layout))
+            if summed is None and self.ttft:  # (none counted: no entry needs building)
+                entries = expo.entries(_EPP_TTFT_BUCKET)
+                summed = summed_buckets([entries[index] for index in self.ttft])
+            bounds, counts = summed or ((), ())
         return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
                          failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                          tpot_sum=tpot_sum, tpot_count=tpot_count)
@@ -373,7 +298,7 @@ class VllmLatencyPlan:
     last label, as prometheus_client writes it): the bucket layout they share, as LatencyPlan
     keeps it. Bucket lines (``le`` elsewhere; one or a few series, which _buckets sums per le
     the slow way, a float() and a dict update per line): each line's bound as a slot among
-    the distinct bounds in order, -1 for a line _add_bucket skips (no ``le``, or no number).
+    the distinct bounds in order, -1 for a line add_bucket skips (no ``le``, or no number).
     ``snapshot`` gives _snapshot's result for an exposition of the same layout (the same
     lines with the same labels in the same order)."""
 
@@ -382,7 +307,7 @@ class VllmLatencyPlan:
     def __init__(self, expo: Exposition) -> None:
         entries = expo.entries(_VLLM_TTFT_BUCKET)
         runs = any(isinstance(entry, BucketRun) for entry in entries)
-        self.ttft_layout = _same_layout(entries) if runs else None  # None unless all share one
+        self.ttft_layout = same_layout(entries) if runs else None  # None unless all share one
         line_bounds: list[float | None] = []
         for entry in entries:
             le_text = None if isinstance(entry, BucketRun) else entry[0].get("le")
@@ -396,20 +321,20 @@ class VllmLatencyPlan:
         slot_of = {bound: slot for slot, bound in enumerate(self.bounds)}
         self.slots: list[int] | None = [-1 if b is None else slot_of[b] for b in line_bounds]
         if runs or any(map(math.isnan, self.bounds)):
-            # Runs: _summed_buckets sums them. A NaN bound: every scrape's per_le holds a new
+            # Runs: summed_buckets sums them. A NaN bound: every scrape's per_le holds a new
             # NaN, equal to none before it, so the plain path sees a bucket layout change (a
             # reset) each time, where kept bounds would compare equal: the plain path reads it.
             self.slots = None
 
     def snapshot(self, now: float, expo: Exposition) -> _Snapshot:
-        entries = expo.entries(_VLLM_TTFT_BUCKET)
         # The layout's lines: the same entries (a series() call would only write runs out as
-        # lines, which _layout_sum refuses).
+        # lines, which layout_sum refuses).
         if self.ttft_layout is not None:
-            summed = _layout_sum(entries, self.ttft_layout)  # None for a NaN count: the plain path
-            if summed is not None:
+            summed = layout_sum(expo.entry_values(_VLLM_TTFT_BUCKET), self.ttft_layout)
+            if summed is not None:  # None for a NaN count: the plain path
                 return _vllm_snapshot(now, expo, summed)
         elif self.slots is not None:
+            entries = expo.entries(_VLLM_TTFT_BUCKET)
             # per_le[le] = per_le.get(le, 0.0) + value, line by line: each slot adds the same
             # values from 0.0 in the same order. With no NaN count every bound is in per_le
             # (its first spelling the key); a NaN count (skipped there) takes the plain path.
