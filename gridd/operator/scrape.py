@@ -152,7 +152,7 @@ class ScrapePool:
     the last round waits (at most ``hand_on_every_s``) for the next round with whatever else
     finished meanwhile. One round handles its results back to back, so the code and data of
     the parse stay in the CPU's caches from one provider to the next: at 1000 providers a
-    second, handing each result on as it came cost about a third more CPU
+    second, handing each result on as it came cost a sixth to a third more CPU
     (docs/scaling.md). The scrapes never wait for it: a worker goes on to its next target as
     soon as a scrape ends. ``ScrapeResult.finished_at`` stays the moment the scrape ended."""
 
