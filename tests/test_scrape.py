@@ -232,8 +232,10 @@ async def test_the_hand_on_gap_is_at_most_a_twentieth_of_the_scrape_interval(aut
         for interval in (0.4, 5.0):
             with trio.move_on_after(interval / 2):
                 await pool.run(lambda interval=interval: interval, lambda: targets("a"))
-            gaps[interval] = pool.hand_on_every_s
-    assert gaps == {0.4: pytest.approx(0.02), 5.0: 0.05}
+            gaps[interval] = pool.hand_on_gap_s
+        await pool.run_pass(targets("a"))  # no interval: the pool's own bound
+        gaps[None] = pool.hand_on_gap_s
+    assert gaps == {0.4: pytest.approx(0.02), 5.0: 0.05, None: 0.05}
 
 
 async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock):

@@ -256,13 +256,15 @@ class LatencyPlan:
         runs = expo.entry_values(_EPP_TTFT_BUCKET)
         if len(runs) != self.ttft_entries:
             bounds, counts = _buckets(expo, _EPP_TTFT_BUCKET, self.models, streaming_only=True)
+        elif not self.ttft:
+            bounds, counts = (), ()  # none counted: summed_buckets of nothing
         else:
             summed = (None if self.ttft_layout is None
                       else layout_sum([runs[index] for index in self.ttft], self.ttft_layout))
-            if summed is None and self.ttft:  # (none counted: no entry needs building)
+            if summed is None:
                 entries = expo.entries(_EPP_TTFT_BUCKET)
                 summed = summed_buckets([entries[index] for index in self.ttft])
-            bounds, counts = summed or ((), ())
+            bounds, counts = summed
         return _Snapshot(at=now, source="epp", successes=successes, completed=successes + failures,
                          failures=failures, ttft_bounds=bounds, ttft_counts=counts,
                          tpot_sum=tpot_sum, tpot_count=tpot_count)

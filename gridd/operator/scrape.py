@@ -138,7 +138,8 @@ def make_client(concurrency: int, verify: ssl.SSLContext | bool = True) -> httpx
 
 # How often at most a pass hands its finished scrapes on (``ScrapePool``): the first result
 # after a quiet spell goes at once, the ones finishing within this long after a hand-on wait
-# for the next, and then go together. At most a scrape interval's twentieth (ScrapePool.run).
+# for the next, and then go together. ScrapePool.run takes at most a scrape interval's
+# twentieth of it.
 HAND_ON_EVERY_S = 0.05
 
 
@@ -147,9 +148,10 @@ class ScrapePool:
     finished, and each pass's duration to ``on_pass`` once the slowest scrape of the pass is
     done and every result of the pass has been handed on.
 
-    Results are handed on in rounds, at most one round every ``hand_on_every_s``: a result
-    that finishes after a quiet spell is handed on at once, one that finishes sooner after
-    the last round waits (at most ``hand_on_every_s``) for the next round with whatever else
+    Results are handed on in rounds, at most one round every ``hand_on_gap_s``
+    (``hand_on_every_s``, or a twentieth of the pass's scrape interval when that is shorter):
+    a result that finishes after a quiet spell is handed on at once, one that finishes sooner
+    after the last round waits (at most the gap) for the next round with whatever else
     finished meanwhile. One round handles its results back to back, so the code and data of
     the parse stay in the CPU's caches from one provider to the next: at 1000 providers a
     second, handing each result on as it came cost a sixth to a third more CPU
@@ -172,6 +174,8 @@ class ScrapePool:
         self.on_result = on_result
         self.on_pass = on_pass
         self.hand_on_every_s = hand_on_every_s
+        # The gap between hand-on rounds in the running pass (run_pass's interval_s).
+        self.hand_on_gap_s = hand_on_every_s
         self.last_pass_s: float | None = None
         # When the running pass started (None between passes): the readiness floor counts
         # a running pass once it has run longer than the last one (measured_pass_s).
@@ -188,7 +192,11 @@ class ScrapePool:
         self._workers_end = trio.lowlevel.ParkingLot()
         self._last_hand_on = -math.inf
 
-    async def run_pass(self, targets: Sequence[ScrapeTarget]) -> float:
+    async def run_pass(self, targets: Sequence[ScrapeTarget], *, interval_s: float | None = None) -> float:
+        """One pass over ``targets``; its duration. ``interval_s``: the scrape interval the pass
+        runs at, whose twentieth bounds the gap between hand-on rounds."""
+        self.hand_on_gap_s = (self.hand_on_every_s if interval_s is None
+                              else min(self.hand_on_every_s, interval_s / 20))
         start = self.pass_started_at = trio.current_time()
         # ``concurrency`` workers take the pass's targets in order, one scrape at a time each:
         # at most ``concurrency`` scrapes at once, and a target waits for the first worker to
@@ -268,43 +276,29 @@ class ScrapePool:
 
     async def _hand_on_until_done(self) -> None:
         """Hand the pass's results on as they finish, at most one round every
-        ``hand_on_every_s`` (class docstring), until every worker is done and every result
+        ``hand_on_gap_s`` (class docstring), until every worker is done and every result
         handed on. The last round goes as soon as the last worker is done."""
         while self._finished or self._workers_left:
             if not self._finished:
                 await self._results_or_end.park()
                 continue
-            due = self._last_hand_on + self.hand_on_every_s
+            due = self._last_hand_on + self.hand_on_gap_s
             if self._workers_left and trio.current_time() < due:
                 with trio.move_on_at(due):
                     await self._workers_end.park()
             results, self._finished = self._finished, []
             self._last_hand_on = trio.current_time()
             for result in results:
-                outcome = self._hand_on_now(result)
-                if outcome is not None:
-                    # A handler that waits (a publisher epoch to claim first) holds up the
-                    # results after it, never the scrapes.
-                    await self._await_outcome(outcome, result)
-
-    def _hand_on_now(self, result: ScrapeResult) -> Awaitable[None] | None:
-        """``on_result(result)``: what it returned to wait for, else None (done, or failed)."""
-        try:
-            return self.on_result(result)
-        except Exception:
-            self._result_failed(result)
-            return None
-
-    async def _await_outcome(self, outcome: Awaitable[None], result: ScrapeResult) -> None:
-        try:
-            await outcome
-        except Exception:
-            self._result_failed(result)
-
-    def _result_failed(self, result: ScrapeResult) -> None:
-        # A bug on one provider's result path must not stop every provider's scraping.
-        self.result_errors += 1
-        log.exception("provider %s: processing the scrape result failed", result.provider)
+                try:
+                    outcome = self.on_result(result)
+                    if outcome is not None:
+                        # A handler that waits (a publisher epoch to claim first) holds up the
+                        # results after it, never the scrapes.
+                        await outcome
+                except Exception:
+                    # A bug on one provider's result path must not stop every provider's scraping.
+                    self.result_errors += 1
+                    log.exception("provider %s: processing the scrape result failed", result.provider)
 
     async def run(
         self,
@@ -321,8 +315,6 @@ class ScrapePool:
         task_status.started()
 
         async def one_pass() -> None:
-            # At most a twentieth of the interval between hand-on rounds (HAND_ON_EVERY_S).
-            self.hand_on_every_s = min(HAND_ON_EVERY_S, interval_s() / 20)
-            await self.run_pass(targets())
+            await self.run_pass(targets(), interval_s=interval_s())
 
         await run_periodic(interval_s, one_pass)
