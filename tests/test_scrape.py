@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import logging
 import ssl
 import zlib
 
@@ -24,7 +25,7 @@ from gridd.operator.http1 import (
     ScrapeClient,
     UndecodableBody,
 )
-from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, scrape_one
+from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, pace_change, scrape_one
 
 CAP = 1024 * 1024
 
@@ -264,6 +265,43 @@ async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock)
         (2.0, 1.75),
         (3.75, 0.25),
         (4.75, 0.25),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrunning", "duration", "change"),
+    [(False, 1.0, None), (False, 1.01, True), (True, 1.5, None), (True, 0.91, None), (True, 0.9, False),
+     (False, 0.2, None)],
+)
+def test_passes_overrun_past_the_interval_and_fit_again_at_nine_tenths(overrunning, duration, change):
+    assert pace_change(overrunning, duration, 1.0) is change
+
+
+async def test_passes_overrunning_the_interval_log_one_warning_and_one_line_when_they_fit_again(
+    autojump_clock, caplog
+):
+    caplog.set_level(logging.INFO, logger="gridd.scrape")
+    delays = {"a": 0.25, "b": 0.1}
+    # Pass by pass: fits, overruns (b slowest), still over, 0.95 s (over 9/10: no line), fits.
+    a_delays = iter([0.25, 0.3, 0.3, 0.95, 0.25])
+    b_delays = iter([0.1, 1.75, 1.5, 0.1, 0.1])
+    async with httpx.AsyncClient(transport=transport(delays)) as client:
+        pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=lambda r: None)
+
+        def next_targets():
+            delays["a"], delays["b"] = next(a_delays), next(b_delays)
+            return targets("a", "b", timeout_s=5.0)
+
+        with trio.move_on_after(1.0 + 1.75 + 1.5 + 0.95 + 0.5):
+            await pool.run(lambda: 1.0, next_targets)
+    assert pool.passes == 5 and not pool.overrunning
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "gridd.scrape"]
+    assert lines == [
+        (logging.WARNING, "scrape pass took 1.75 s, longer than timings.scrape_interval_s 1 (2 providers, at "
+                          "most 16 at once; slowest scrape 1.75 s, provider b): each provider is read once a "
+                          "pass, not once an interval; for many providers raise timings.scrape_concurrency, "
+                          "for a slow one see its metrics.timeout_s (docs/scaling.md)"),
+        (logging.INFO, "scrape passes fit the interval again: 0.25 s for timings.scrape_interval_s 1"),
     ]
 
 

@@ -33,6 +33,22 @@ log = logging.getLogger("gridd.scrape")
 FAILURE_CLASSES = ("timeout", "connect", "tls", "http_status", "body_cap", "parse")
 
 
+PASS_FITS_AGAIN_AT = 0.9
+"""Passes that overran the scrape interval fit again once one takes at most this share of it:
+a pass hovering at the interval logs no pair of lines per pass (ScrapePool._note_pace)."""
+
+
+def pace_change(overrunning: bool, duration_s: float, interval_s: float) -> bool | None:
+    """Whether passes now overrun their interval, when that changes with a pass of
+    ``duration_s``; None when it does not. Overrunning starts with a pass longer than the
+    interval and ends with one of at most PASS_FITS_AGAIN_AT of it."""
+    if not overrunning and duration_s > interval_s:
+        return True
+    if overrunning and duration_s <= PASS_FITS_AGAIN_AT * interval_s:
+        return False
+    return None
+
+
 class ScrapeTarget(msgspec.Struct, frozen=True):
     provider: str
     url: str
@@ -181,6 +197,10 @@ class ScrapePool:
         # a running pass once it has run longer than the last one (measured_pass_s).
         self.pass_started_at: float | None = None
         self.passes = 0
+        # Whether the latest passes overran their interval (pace_change), and the running
+        # pass's slowest scrape so far (what the line saying so names).
+        self.overrunning = False
+        self._slowest: ScrapeResult | None = None
         self.max_in_flight_seen = 0
         self.result_errors = 0
         self._in_flight = 0
@@ -206,6 +226,7 @@ class ScrapePool:
         # task hands the results on (_hand_on_until_done).
         pending = iter(targets)
         self._finished = []
+        self._slowest = None
         try:
             async with trio.open_nursery() as nursery:
                 for worker in range(min(self.concurrency, len(targets))):
@@ -221,9 +242,33 @@ class ScrapePool:
         duration = trio.current_time() - start
         self.last_pass_s = duration
         self.passes += 1
+        if interval_s is not None:
+            self._note_pace(duration, interval_s, len(targets))
         if self.on_pass is not None:
             self.on_pass(start, duration)
         return duration
+
+    def _note_pace(self, duration_s: float, interval_s: float, targets: int) -> None:
+        """One line when passes start to overrun the scrape interval, one when they fit again.
+        An overrunning pass delays the next (passes never overlap), so every provider is read
+        once a pass instead of once an interval (docs/scaling.md, "The 16-slot pool")."""
+        change = pace_change(self.overrunning, duration_s, interval_s)
+        if change is None:
+            return
+        self.overrunning = change
+        if not change:
+            log.info("scrape passes fit the interval again: %.2f s for timings.scrape_interval_s %g",
+                     duration_s, interval_s)
+            return
+        slowest = self._slowest
+        log.warning(
+            "scrape pass took %.2f s, longer than timings.scrape_interval_s %g (%d providers, at most %d "
+            "at once; slowest scrape %s): each provider is read once a pass, not once an interval; for many "
+            "providers raise timings.scrape_concurrency, for a slow one see its metrics.timeout_s "
+            "(docs/scaling.md)",
+            duration_s, interval_s, targets, self.concurrency,
+            "none" if slowest is None else f"{slowest.duration_s:.2f} s, provider {slowest.provider}",
+        )
 
     async def _scrape_worker(self, pending: Iterator[ScrapeTarget]) -> None:
         """Scrape targets from ``pending`` (the pass's one iterator: each target goes to one
@@ -271,6 +316,8 @@ class ScrapePool:
 
     def _finish(self, result: ScrapeResult) -> None:
         self._finished.append(result)
+        if self._slowest is None or result.duration_s > self._slowest.duration_s:
+            self._slowest = result
         if self._results_or_end:
             self._results_or_end.unpark_all()
 
