@@ -305,6 +305,29 @@ async def test_passes_overrunning_the_interval_log_one_warning_and_one_line_when
     ]
 
 
+async def test_passes_flapping_around_the_interval_log_at_most_four_lines_a_minute(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, logger="gridd.scrape")
+    delays = {"a": 0.25}
+    passes = iter(range(100))
+    async with httpx.AsyncClient(transport=transport(delays)) as client:
+        pool = ScrapePool(client, concurrency=16, body_cap=CAP, on_result=lambda r: None)
+
+        def next_targets():
+            delays["a"] = 1.5 if next(passes) % 2 else 0.25  # over, then fits, pass after pass
+            return targets("a", timeout_s=5.0)
+
+        # A 1.5 s pass delays the next, which starts as it ends; a fitting one keeps the 1 s
+        # schedule: after the first pass, a pair every 2.5 s. 35 passes end within 44 s, each from
+        # the second on a change of state: four lines, the budget of a minute.
+        with trio.move_on_after(44.0):
+            await pool.run(lambda: 1.0, next_targets)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gridd.scrape"]
+    assert pool.passes == 35
+    assert len(lines) == 4
+    assert lines[0].startswith("scrape pass took 1.50 s")
+    assert lines[1].startswith("scrape passes fit the interval")
+
+
 async def test_a_target_httpx_cannot_send_fails_alone_and_a_result_bug_stops_nothing(autojump_clock):
     results = {}
 

@@ -23,6 +23,7 @@ import httpx
 import msgspec
 import trio
 
+from gridd.core.transitions import TransitionLog
 from gridd.link.periodic import run_periodic
 from gridd.operator.http1 import ScrapeClient, is_tls_error
 
@@ -200,6 +201,7 @@ class ScrapePool:
         # Whether the latest passes overran their interval (pace_change), and the running
         # pass's slowest scrape so far (what the line saying so names).
         self.overrunning = False
+        self._pace_lines = TransitionLog()
         self._slowest: ScrapeResult | None = None
         self.max_in_flight_seen = 0
         self.result_errors = 0
@@ -253,21 +255,26 @@ class ScrapePool:
         An overrunning pass delays the next (passes never overlap), so every provider is read
         once a pass instead of once an interval (docs/scaling.md, "The 16-slot pool")."""
         change = pace_change(self.overrunning, duration_s, interval_s)
-        if change is None:
+        if change is not None:
+            self.overrunning = change
+        # Rate-limited like every transition line (a provider hanging every other pass flaps).
+        line = self._pace_lines.observe("pace", "overrunning" if self.overrunning else "fits",
+                                        trio.current_time(), baseline="fits")
+        if line is None:
             return
-        self.overrunning = change
-        if not change:
-            log.info("scrape passes fit the interval again: %.2f s for timings.scrape_interval_s %g",
-                     duration_s, interval_s)
+        if not self.overrunning:
+            log.info("scrape passes fit the interval again: %.2f s for timings.scrape_interval_s %g%s",
+                     duration_s, interval_s, line.suffix())
             return
         slowest = self._slowest
         log.warning(
             "scrape pass took %.2f s, longer than timings.scrape_interval_s %g (%d providers, at most %d "
             "at once; slowest scrape %s): each provider is read once a pass, not once an interval; for many "
             "providers raise timings.scrape_concurrency, for a slow one see its metrics.timeout_s "
-            "(docs/scaling.md)",
+            "(docs/scaling.md)%s",
             duration_s, interval_s, targets, self.concurrency,
             "none" if slowest is None else f"{slowest.duration_s:.2f} s, provider {slowest.provider}",
+            line.suffix(),
         )
 
     async def _scrape_worker(self, pending: Iterator[ScrapeTarget]) -> None:
