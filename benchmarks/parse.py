@@ -27,7 +27,9 @@ microseconds per body (process time over a batch, median of batches, then of rou
 `--src DIR` adds the same rows for another checkout's gridd (e.g. /work/main: the code
 before) in the same run: each round starts one worker process per tree, alternating, and
 prints `per_body_ratio=<DIR / this tree>` for the EPP body. `--per-body` runs those rows
-alone.
+alone. `--line-bound` measures what the exceptions to the line bound (MAX_EXPOSITION_LINES: a
+body read through its provider's shape is not counted first) cost against the bound's own case,
+and ends with `line_bound_worst_ratio=`.
 """
 
 from __future__ import annotations
@@ -514,8 +516,52 @@ def per_body(src: str | None, rounds: int) -> None:
         print(f"on_scrape_us_saved={saved:.1f}")
 
 
+def line_bound(rounds: int) -> None:
+    """What MAX_EXPOSITION_LINES's exceptions cost (tests/test_scrape_path_oracle.py checks the
+    paths): a 1 MiB body read through the provider's shape, padded with lines the scan leaves
+    out (accepted) or picks (refused right after the scan), against the bound's own case (a
+    first scrape of MAX_EXPOSITION_LINES junk lines the scan picks, each one malformed)."""
+    import time
+
+    from gridd.core.publication import MAX_EXPOSITION_LINES, ProviderPublisher
+
+    good = (Path(__file__).resolve().parent.parent / "tests/data/samples/epp-healthy.prom").read_bytes()
+
+    def publisher(shaped: bool) -> ProviderPublisher:
+        pub = ProviderPublisher(site="a", provider="p", model="m", provider_uid="u", generation=1,
+                                publisher_epoch=7, created_at=0.0, next_sequence=iter(range(1, 99)).__next__)
+        for now in (1.0, 2.0) if shaped else ():
+            pub.on_scrape(now=now, wall_now=1000.0 + now, body=good, failure_class=None, stale_after_s=10,
+                          unavailable=False)
+        return pub
+
+    def cpu_s(body: bytes, shaped: bool) -> float:
+        pub = publisher(shaped)
+        start = time.process_time()
+        pub.on_scrape(now=3.0, wall_now=1003.0, body=body, failure_class=None, stale_after_s=10,
+                      unavailable=False)
+        return time.process_time() - start
+
+    cases = {"the bound: 50 000 junk lines, no shape": (b"9\n" * MAX_EXPOSITION_LINES, False)}
+    for pad in (b"\n", b"a\n", b" \n", b"9\n"):
+        cases[f"shape + 1 MiB of {pad!r}"] = (good + pad * ((1 << 20) // len(pad)), True)
+    costs: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):  # interleaved, so the machine's noise hits every case alike
+        for name, (body, shaped) in cases.items():
+            costs[name].append(cpu_s(body, shaped))
+    bound = statistics.median(costs[next(iter(cases))])
+    print(f"line bound: CPU ms per scrape, median of {rounds} (ratio to the bound's case)")
+    for name, values in costs.items():
+        median = statistics.median(values)
+        print(f"  {name:<42}{median * 1e3:>8.1f} ms   {median / bound:>5.2f}")
+    worst = max(statistics.median(values) for values in costs.values()) / bound
+    print(f"line_bound_worst_ratio={worst:.2f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--line-bound", action="store_true",
+                        help="what the line bound's exceptions cost against the bound's own case")
     parser.add_argument("--per-body", action="store_true", help="the per-body path rows alone")
     parser.add_argument("--src", help="another checkout to compare the per-body path with (e.g. /work/main)")
     parser.add_argument("--rounds", type=int, default=5, help="per-body rounds (one worker per tree each)")
@@ -524,6 +570,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.per_body_worker:
         per_body_worker()
+    elif args.line_bound:
+        line_bound(args.rounds)
     elif args.per_body:
         per_body(args.src, args.rounds)
     else:
