@@ -25,7 +25,7 @@ from gridd.operator.http1 import (
     ScrapeClient,
     UndecodableBody,
 )
-from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, pace_change, scrape_one
+from gridd.operator.scrape import ScrapePool, ScrapeResult, ScrapeTarget, overrunning_after, scrape_one
 
 CAP = 1024 * 1024
 
@@ -269,12 +269,12 @@ async def test_passes_start_one_interval_apart_and_never_overlap(autojump_clock)
 
 
 @pytest.mark.parametrize(
-    ("overrunning", "duration", "change"),
-    [(False, 1.0, None), (False, 1.01, True), (True, 1.5, None), (True, 0.91, None), (True, 0.9, False),
-     (False, 0.2, None)],
+    ("overrunning", "duration", "after"),
+    [(False, 1.0, False), (False, 1.01, True), (True, 1.5, True), (True, 0.91, True), (True, 0.9, False),
+     (False, 0.2, False)],
 )
-def test_passes_overrun_past_the_interval_and_fit_again_at_nine_tenths(overrunning, duration, change):
-    assert pace_change(overrunning, duration, 1.0) is change
+def test_passes_overrun_past_the_interval_and_fit_again_at_nine_tenths(overrunning, duration, after):
+    assert overrunning_after(overrunning, duration, 1.0) is after
 
 
 async def test_passes_overrunning_the_interval_log_one_warning_and_one_line_when_they_fit_again(

@@ -39,15 +39,10 @@ PASS_FITS_AGAIN_AT = 0.9
 a pass hovering at the interval logs no pair of lines per pass (ScrapePool._note_pace)."""
 
 
-def pace_change(overrunning: bool, duration_s: float, interval_s: float) -> bool | None:
-    """Whether passes now overrun their interval, when that changes with a pass of
-    ``duration_s``; None when it does not. Overrunning starts with a pass longer than the
-    interval and ends with one of at most PASS_FITS_AGAIN_AT of it."""
-    if not overrunning and duration_s > interval_s:
-        return True
-    if overrunning and duration_s <= PASS_FITS_AGAIN_AT * interval_s:
-        return False
-    return None
+def overrunning_after(overrunning: bool, duration_s: float, interval_s: float) -> bool:
+    """Whether passes overrun their interval after a pass of ``duration_s``: from a pass longer
+    than the interval until one of at most PASS_FITS_AGAIN_AT of it."""
+    return duration_s > (PASS_FITS_AGAIN_AT * interval_s if overrunning else interval_s)
 
 
 class ScrapeTarget(msgspec.Struct, frozen=True):
@@ -198,7 +193,7 @@ class ScrapePool:
         # a running pass once it has run longer than the last one (measured_pass_s).
         self.pass_started_at: float | None = None
         self.passes = 0
-        # Whether the latest passes overran their interval (pace_change), and the running
+        # Whether the latest passes overran their interval (overrunning_after), and the running
         # pass's slowest scrape so far (what the line saying so names).
         self.overrunning = False
         self._pace_lines = TransitionLog()
@@ -254,9 +249,7 @@ class ScrapePool:
         """One line when passes start to overrun the scrape interval, one when they fit again.
         An overrunning pass delays the next (passes never overlap), so every provider is read
         once a pass instead of once an interval (docs/scaling.md, "The 16-slot pool")."""
-        change = pace_change(self.overrunning, duration_s, interval_s)
-        if change is not None:
-            self.overrunning = change
+        self.overrunning = overrunning_after(self.overrunning, duration_s, interval_s)
         # Rate-limited like every transition line (a provider hanging every other pass flaps).
         line = self._pace_lines.observe("pace", "overrunning" if self.overrunning else "fits",
                                         trio.current_time(), baseline="fits")
