@@ -52,9 +52,11 @@ def same_layout_sum(counted: list[Entry]) -> tuple[tuple[float, ...], tuple[floa
     le texts, distinct numeric bounds and no NaN count (the usual histogram); else None.
     Each bound's sum adds the same counts in the same order as the per-bucket loop."""
     layout = same_layout(counted)
+    if layout is None:
+        return None
     # (same_layout found every series counted a BucketRun: the filter keeps them all.)
     runs: list[float | list[float]] = [run.values for run in counted if isinstance(run, BucketRun)]
-    return None if layout is None else layout_sum(runs, layout)
+    return layout_sum(runs, layout)
 
 
 def same_layout(counted: list[Entry]) -> BucketLayout | None:
